@@ -1,0 +1,273 @@
+"""Frozen configuration, one dataclass per concern, gathered in ``EngineConfig``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ROUTERS = ("noaux_tc", "greedy", "group_limited_greedy")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # "default" or "yarn"
+    factor: float = 1.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    interleave: bool = True
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], interleave: bool) -> RopeConfig:
+        # transformers 5 writes ``rope_parameters``; released checkpoints write ``rope_scaling``.
+        params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ("default", "yarn"):
+            raise ValueError(f"rope_type {kind!r} is not supported (default, yarn)")
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        if kind == "default":
+            return cls(theta=float(theta), interleave=interleave)
+        max_pos = hf.get("max_position_embeddings", 4096)
+        original = params.get("original_max_position_embeddings", max_pos)
+        return cls(
+            theta=float(theta), kind=kind,
+            factor=float(params.get("factor") or max_pos / original),
+            original_max_position=int(original),
+            beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+            mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+            interleave=interleave,
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a DeepSeek V2/V3 checkpoint, read from its ``config.json``."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    router: str
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    checkpoint_dtype: str = "bfloat16"
+    fp8_block: tuple[int, int] | None = None
+    num_mtp_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ValueError(f"topk_method {self.router!r} is not supported; expected one of {ROUTERS}")
+        if self.n_routed_experts % max(self.n_group, 1):
+            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must divide into n_group ({self.n_group})")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values cached per token per layer: the latent plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        if self.rope.kind == "yarn" and self.rope.mscale_all_dim:
+            m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    @property
+    def scoring_func(self) -> str:
+        return "sigmoid" if self.router == "noaux_tc" else "softmax"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+                and layer % self.moe_layer_freq == 0)
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+        model_type = hf.get("model_type", "deepseek_v3")
+        if model_type not in ("deepseek_v2", "deepseek_v3"):
+            raise ValueError(f"model_type {model_type!r} is not a DeepSeek V2/V3 model")
+        v3 = model_type == "deepseek_v3"
+        n_group = hf.get("n_group") or 1
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        quant = hf.get("quantization_config") or {}
+        fp8_block = None
+        if quant:
+            if quant.get("quant_method") != "fp8":
+                raise ValueError(f"quantization_config.quant_method {quant.get('quant_method')!r} is not supported")
+            fp8_block = tuple(quant.get("weight_block_size") or (128, 128))
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], moe_intermediate_size=hf["moe_intermediate_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            n_routed_experts=hf.get("n_routed_experts") or 0, n_shared_experts=hf.get("n_shared_experts") or 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            first_k_dense_replace=hf.get("first_k_dense_replace", 0), moe_layer_freq=hf.get("moe_layer_freq", 1),
+            router=hf.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
+            n_group=n_group, topk_group=hf.get("topk_group") or n_group,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", v3)),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rope=RopeConfig.from_hf(hf, interleave=hf.get("rope_interleave", True)),
+            attention_bias=hf.get("attention_bias", False),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            eos_token_ids=eos_ids, bos_token_id=hf.get("bos_token_id"),
+            checkpoint_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
+            fp8_block=fp8_block,
+            num_mtp_layers=hf.get("num_nextn_predict_layers", 0) or 0,
+        )
+
+    @classmethod
+    def from_path(cls, model_path: str) -> ModelConfig:
+        path = os.path.join(model_path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"model_path {model_path!r} has no config.json")
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    model_path: str | None = None
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights of the real shapes)
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    tokenizer_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format {self.load_format!r} must be auto, safetensors or dummy")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} must be auto or one of {sorted(DTYPES)}")
+
+    def torch_dtype(self, model: ModelConfig) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        # FP8 checkpoints compute in bf16; otherwise keep the checkpoint's own float type.
+        return DTYPES.get(model.checkpoint_dtype, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    max_total_tokens: int | None = None  # None: sized from the memory budget
+    mem_fraction_static: float = 0.88  # share of device memory for weights + KV (CUDA)
+    cpu_kv_cache_gb: float = 1.0  # KV budget on CPU, where there is no device memory to measure
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must be >= page_size ({self.page_size})")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 8192  # tokens of prefill per step; <= 0 disables chunking
+    max_prefill_tokens: int = 16384
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    decode_reserve_tokens: int = 8  # pages kept free per running request when admitting prefill
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Single process for now; the scale-out step fills in the rest."""
+
+    tp_size: int = 1
+    dp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp_size != 1 or self.dp_size != 1:
+            raise ValueError("tp_size/dp_size > 1 are not supported yet")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    load: LoadConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def context_length(self) -> int:
+        return self.scheduler.context_length or self.model.max_position_embeddings
+
+
+_SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+
+
+def build_engine_config(model_path: str | None = None, **settings: Any) -> EngineConfig:
+    """Flat keyword settings (``page_size=4``, ``dtype="float32"`` …) sorted into their sections.
+
+    The CLI and the offline ``LLM`` both come through here, so a flag and a keyword argument of
+    the same name always mean the same thing.
+    """
+    by_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    fields = {f: name for name, cls in _SECTIONS.items() for f in cls.__dataclass_fields__}
+    for key, value in settings.items():
+        if key not in fields:
+            raise ValueError(f"unknown setting {key!r}; known settings: {', '.join(sorted(fields))}")
+        by_section[fields[key]][key] = value
+    load = LoadConfig(model_path=model_path, **by_section["load"])
+    if model_path is None:
+        raise ValueError("model_path is required")
+    return EngineConfig(
+        model=ModelConfig.from_path(model_path), load=load,
+        cache=CacheConfig(**by_section["cache"]), scheduler=SchedulerConfig(**by_section["scheduler"]),
+        parallel=ParallelConfig(**by_section["parallel"]),
+    )

@@ -1,0 +1,214 @@
+"""Plain types shared by every layer: sampling parameters, requests, forward batches."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request; names and meanings follow the OpenAI API.
+
+    ``top_k <= 0`` disables top-k; ``logprobs=None`` returns no logprobs, ``logprobs=k`` returns
+    the chosen token's logprob and the ``k`` most likely alternatives.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is out of range."""
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_finite(self.temperature) and self.temperature >= 0,
+               "temperature", f"must be >= 0, got {self.temperature!r}")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1,
+               "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int), "top_k", f"must be an integer, got {self.top_k!r}")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1,
+               "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               "stop", "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", "must be non-negative integers")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {message}")
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of the chosen token and the most likely alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Req:
+    """One request as the scheduler sees it.
+
+    ``fill_ids = prompt_ids + output_ids``; the KV cache holds the first ``kv_len`` of them, in
+    the slots listed by ``page_table`` (page ids; slot = page * page_size + offset).
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    finish_message: str | None = None
+    text: str = ""
+    generator: torch.Generator | None = None
+    num_retractions: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def finish(self, reason: FinishReason, message: str | None = None) -> None:
+        self.status = ReqStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_message = message
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill, possibly a chunk that continues an earlier one
+    DECODE = "decode"  # one new token per sequence
+    IDLE = "idle"  # no tokens; keeps collectives of a data-parallel rank in step
+
+    @property
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward pass needs, as tensors on the model's device.
+
+    T = tokens in the batch, B = sequences. For sequence ``i`` the batch carries
+    ``extend_lens[i]`` new tokens at positions ``prefix_lens[i] ..``; its whole context after this
+    step occupies the cache slots ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64, cache slot written by each new token
+    prefix_lens: torch.Tensor  # [B] int64, tokens already cached before this step
+    extend_lens: torch.Tensor  # [B] int64, new tokens in this step
+    kv_indptr: torch.Tensor  # [B + 1] int64
+    kv_indices: torch.Tensor  # [sum(prefix + extend)] int64
+    prefix_lens_cpu: list[int] = field(default_factory=list)
+    extend_lens_cpu: list[int] = field(default_factory=list)
+    kv_pool: Any = None  # the MLAKVPool the attention layers read and write
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens_cpu(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
+
+    def last_token_index(self) -> torch.Tensor:
+        """[B] index of each sequence's last new token in the flat token dimension."""
+        return torch.cumsum(self.extend_lens, 0) - 1
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step: compute ``req.fill_ids[start:end]``."""
+
+    req: Req
+    start: int
+    end: int
+
+    @property
+    def completes_fill(self) -> bool:
+        """True when this step reaches the end of the request's known tokens, so it samples."""
+        return self.end == self.req.seq_len
+
+
+@dataclass
+class ScheduleBatch:
+    """What the scheduler decided to run this step."""
+
+    mode: ForwardMode
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.end - s.start for s in self.seqs)

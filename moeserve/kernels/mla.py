@@ -1,0 +1,69 @@
+"""Attention for multi-head latent attention (MLA), in its two forms.
+
+- expanded (prefill): the latent is expanded to per-head keys/values, ordinary causal attention
+  over the cached prefix plus the new tokens;
+- absorbed (decode): ``W_UK`` is folded into the query, so each query attends straight over the
+  paged latent cache (``kv_lora_rank`` latent + ``qk_rope_head_dim`` rope key per token) and the
+  output stays in latent space until ``W_UV`` is applied.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    extend_lens: list[int],
+    prefix_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their sequence's prefix and themselves.
+
+    ``q [T, H, Dqk]`` holds the new tokens of all sequences back to back; ``k [S, H, Dqk]`` and
+    ``v [S, H, Dv]`` hold each sequence's whole context (prefix then new tokens) back to back.
+    Returns ``[T, H, Dv]``.
+    """
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    q_start = kv_start = 0
+    for n_new, n_prefix in zip(extend_lens, prefix_lens):
+        n_kv = n_prefix + n_new
+        qs = q[q_start:q_start + n_new]  # [t, H, D]
+        ks, vs = k[kv_start:kv_start + n_kv], v[kv_start:kv_start + n_kv]
+        scores = torch.einsum("thd,shd->hts", qs, ks) * scale  # [H, t, s]
+        query_pos = torch.arange(n_prefix, n_kv, device=q.device)[:, None]
+        visible = torch.arange(n_kv, device=q.device)[None, :] <= query_pos  # [t, s]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = scores.float().softmax(-1).to(vs.dtype)
+        out[q_start:q_start + n_new] = torch.einsum("hts,shd->thd", probs, vs)
+        q_start += n_new
+        kv_start += n_kv
+    return out
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA over the paged latent cache; one query token per sequence.
+
+    ``q_latent [B, H, L]`` (query nope part already multiplied by ``W_UK``), ``q_rope [B, H, R]``,
+    ``kv_cache [slots, L + R]`` (latent then rope key), sequence ``b`` reading the slots
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``. Returns ``[B, H, L]`` in latent space.
+    """
+    latent_dim = q_latent.shape[-1]
+    out = q_latent.new_empty(q_latent.shape)
+    bounds = kv_indptr.tolist()
+    for b in range(q_latent.shape[0]):
+        kv = kv_cache[kv_indices[bounds[b]:bounds[b + 1]]]  # [s, L + R]
+        latent, rope = kv[:, :latent_dim], kv[:, latent_dim:]
+        scores = (q_latent[b] @ latent.t() + q_rope[b] @ rope.t()) * scale  # [H, s]
+        probs = scores.float().softmax(-1).to(latent.dtype)
+        out[b] = probs @ latent
+    return out

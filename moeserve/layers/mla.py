@@ -1,0 +1,93 @@
+"""Multi-head latent attention (DeepSeek-V2 §2.1), split into the steps the decoder layer runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.core import ForwardBatch
+from moeserve.kernels.mla import extend_attention, mla_decode
+from moeserve.kernels.rope import apply_rope
+from moeserve.layers.linear import Linear
+from moeserve.layers.norm import RMSNorm
+
+
+@dataclass
+class MLAInputs:
+    """What ``prepare`` hands to ``core``: the query of the new tokens, split into its parts."""
+
+    q_nope: torch.Tensor  # [T, H, qk_nope_head_dim]
+    q_rope: torch.Tensor  # [T, H, qk_rope_head_dim], rotated
+
+
+class MLA(nn.Module):
+    """Parameters named as in the checkpoints; the latent cache lives outside, in the KV pool."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        self.interleave = cfg.rope.interleave
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.qk_head_dim)
+        else:
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = Linear(cfg.q_lora_rank, cfg.num_heads * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = Linear(cfg.num_heads * cfg.v_head_dim, cfg.hidden_size, bias=bias)
+
+    def prepare(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> MLAInputs:
+        """Project ``hidden [T, D]``; write the new tokens' latent and rope key to the cache."""
+        n_tokens = hidden.shape[0]
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(n_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rope = apply_rope(q_rope, cos, sin, self.interleave)
+        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin, self.interleave).squeeze(1)
+        batch.kv_pool.write(self.layer_id, batch.out_cache_loc, latent, k_rope)
+        return MLAInputs(q_nope, q_rope)
+
+    def core(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of the new tokens; returns ``[T, H * v_head_dim]`` ready for ``o_proj``."""
+        if batch.mode.is_decode:
+            out = self._absorbed(inputs, batch)
+        else:
+            out = self._expanded(inputs, batch)
+        return out.flatten(1)
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of ``kv_b_proj``: ``W_UK [H, nope, L]`` and ``W_UV [H, v, L]``."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, :self.nope_dim], w[:, self.nope_dim:]
+
+    def _absorbed(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
+        w_uk, w_uv = self._w_uk_uv()
+        q_latent = torch.einsum("thn,hnl->thl", inputs.q_nope, w_uk)  # [T, H, L]
+        cache = batch.kv_pool.layer(self.layer_id)
+        out_latent = mla_decode(q_latent, inputs.q_rope, cache, batch.kv_indptr, batch.kv_indices, self.scale)
+        return torch.einsum("thl,hvl->thv", out_latent, w_uv)  # [T, H, v]
+
+    def _expanded(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
+        cached = batch.kv_pool.layer(self.layer_id)[batch.kv_indices]  # [S, L + R]
+        latent, k_rope = cached.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
+        q = torch.cat([inputs.q_nope, inputs.q_rope], dim=-1)
+        return extend_attention(q, k, v, batch.extend_lens_cpu, batch.prefix_lens_cpu, self.scale)

@@ -1,0 +1,104 @@
+"""The offline façade: ``LLM(model_path=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from moeserve.config import build_engine_config
+from moeserve.core import Req, SamplingParams, TokenLogprob
+from moeserve.executor.model_runner import ModelRunner
+from moeserve.models.tokenizer import load_tokenizer
+from moeserve.scheduler.scheduler import Scheduler
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+class LLM:
+    """Runs the engine in this process. Settings are the CLI's flags as keyword arguments."""
+
+    def __init__(self, model_path: str, **settings: Any) -> None:
+        self.config = build_engine_config(model_path, **settings)
+        self.tokenizer = load_tokenizer(self.config.load.tokenizer_path or model_path)
+        eos = set(self.config.model.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.runner = ModelRunner(self.config)
+        self.scheduler = Scheduler(self.config, self.runner, self.tokenizer, tuple(sorted(eos)))
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt, in order. A prompt is text or a list of token ids."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        token_lists = [self._encode(p) for p in prompt_list]
+        reqs: list[Req] = []
+        try:
+            for ids, p in zip(token_lists, params):
+                reqs.append(self.scheduler.add_request(f"offline-{next(self._ids)}", ids, p))
+        except ValueError:
+            for req in reqs:
+                self.scheduler.abort(req.rid)
+            raise
+        with tqdm(total=len(reqs), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while not all(r.finished for r in reqs):
+                finished = sum(r.finished for r in self.scheduler.step())
+                bar.update(finished)
+        return [_output(r) for r in reqs]
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer, so it has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([ids], sampling_params, use_tqdm=False)[0]
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer, and this model folder has none; pass token ids")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+    return params
+
+
+def _output(req: Req) -> RequestOutput:
+    return RequestOutput(
+        prompt_token_ids=req.prompt_ids, text=req.text, token_ids=list(req.output_ids),
+        finish_reason=req.finish_reason.value,
+        logprobs=req.output_logprobs if req.params.logprobs is not None else None,
+    )

@@ -1,0 +1,104 @@
+"""Tokenizer access for the engine: a thin wrapper over a Hugging Face fast tokenizer.
+
+transformers is imported inside ``load_tokenizer`` only, so engines that run on token ids
+(benchmarks, tests with ``skip_tokenizer``) never pay for it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# Tokens of prompt kept as left context when detokenizing the first output tokens: enough for
+# tokenizers whose decode of a lone token differs from its decode in context (SentencePiece's
+# leading space), the same number vLLM and SGLang use.
+INITIAL_CONTEXT_TOKENS = 5
+
+
+def load_tokenizer(path: str) -> Tokenizer | None:
+    """The tokenizer saved in the folder ``path``, or None when it has no tokenizer files."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return Tokenizer(AutoTokenizer.from_pretrained(path))
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the chat template, over a ``transformers`` tokenizer."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Every id the tokenizer can produce, added special tokens included (``len(tokenizer)``)."""
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Render ``messages`` with the folder's chat template and tokenize the result."""
+        if not self.hf.chat_template:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json has no 'chat_template')")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        # The template writes bos itself; letting encode add another would double it.
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids, arriving a few at a time, into text deltas.
+
+    Byte-level tokenizers split one UTF-8 character over several tokens, and decoding a prefix
+    that ends inside a character yields U+FFFD. So each step decodes a window twice, from
+    ``prefix_offset``: up to ``read_offset`` (text already emitted) and up to the end; the
+    difference is emitted only when the longer text does not end in U+FFFD, otherwise it is held
+    back until more tokens arrive (vLLM's and SGLang's scheme). The concatenated deltas plus
+    ``flush()`` equal ``decode(output_ids)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-INITIAL_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.output_text = ""
+
+    def step(self, new_ids: Sequence[int]) -> str:
+        """Append ``new_ids``; return the text they complete ("" while a character is unfinished)."""
+        self.ids.extend(new_ids)
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset, len(self.ids))
+        if new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.output_text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back, U+FFFD included; call when the request finishes."""
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        delta = self._decode(self.prefix_offset, len(self.ids))[len(prefix_text):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.output_text += delta
+        return delta
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=self.skip_special_tokens)

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.hf_models import cached_hf_model
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hf_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="session")
+def hf_model_path(hf_root):
+    """``hf_model_path(variant, seed)`` -> a folder written by transformers (made once per session)."""
+
+    def make(variant: str = "v3", seed: int = 0) -> str:
+        return cached_hf_model(hf_root, variant, seed)
+
+    return make

@@ -1,0 +1,132 @@
+"""Continuous batching, retraction, aborts and request validation on a tiny V3 checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from moeserve.core import FinishReason
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def _prompts(lens, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 320, (n,), generator=gen).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def v3_path(hf_model_path):
+    return hf_model_path("v3", 0)
+
+
+@pytest.fixture(scope="module")
+def reference(v3_path):
+    """Greedy tokens with a roomy cache and one request at a time."""
+    llm = LLM(v3_path, dtype="float32", max_total_tokens=2048, max_running_requests=1)
+    return llm.generate(_prompts([12, 30, 7, 19, 25, 10]), GREEDY, use_tqdm=False)
+
+
+def test_retraction_under_tiny_kv_budget_keeps_greedy_tokens(v3_path, reference):
+    # 64 slots cannot hold six requests of 7..50 tokens at once: decode must retract some.
+    llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=64, chunked_prefill_size=16)
+    outs = llm.generate(_prompts([12, 30, 7, 19, 25, 10]), GREEDY, use_tqdm=False)
+    assert llm.scheduler.policy.retracted > 0
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    pool = llm.runner.page_pool
+    assert pool.num_free == pool.capacity and pool.num_used == 0
+
+
+def test_requests_joining_mid_run_get_the_same_tokens(v3_path, reference):
+    llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=512, chunked_prefill_size=8)
+    sched, prompts = llm.scheduler, _prompts([12, 30, 7, 19, 25, 10])
+    reqs = [sched.add_request("a0", prompts[0], GREEDY)]
+    for i, prompt in enumerate(prompts[1:], start=1):
+        for _ in range(3):
+            sched.step()
+        reqs.append(sched.add_request(f"a{i}", prompt, GREEDY))
+    while sched.has_work:
+        sched.step()
+    assert [r.output_ids for r in reqs] == [r.token_ids for r in reference]
+
+
+def test_abort_anywhere_frees_every_page(v3_path):
+    llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=96, chunked_prefill_size=8,
+              max_running_requests=2)
+    sched, pool = llm.scheduler, llm.runner.page_pool
+    reqs = [sched.add_request(f"b{i}", p, GREEDY) for i, p in enumerate(_prompts([20, 9, 14, 30, 5]))]
+    sched.step()  # b0 is mid-prefill (a chunk of 8 of 20)
+    assert sched.queues.chunked is reqs[0]
+    sched.abort("b0")
+    for _ in range(4):
+        sched.step()
+    running = list(sched.queues.running)
+    assert running, "some request should be decoding"
+    sched.abort(running[0].rid)
+    sched.abort(reqs[-1].rid)  # still waiting
+    while sched.has_work:
+        sched.step()
+    assert pool.num_free == pool.capacity
+    aborted = [r for r in reqs if r.finish_reason is FinishReason.ABORT]
+    assert len(aborted) == 3 and all(r.page_table == [] for r in reqs)
+    assert sched.abort("b0") is None  # already gone
+
+
+def test_stop_token_ids_and_max_tokens(v3_path, reference):
+    llm = LLM(v3_path, dtype="float32", max_total_tokens=512)
+    expected = reference[1].token_ids
+    stop_at = expected[5]
+    first = expected.index(stop_at)
+    out = llm.generate([_prompts([12, 30])[1]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                               stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert out.token_ids == expected[:first + 1] and out.finish_reason == "stop"
+    out = llm.generate([_prompts([12, 30])[1]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0]
+    assert len(out.token_ids) <= 3
+
+
+def test_seeded_sampling_ignores_batch_companions(v3_path):
+    llm = LLM(v3_path, dtype="float32", max_total_tokens=1024)
+    prompts = _prompts([12, 30, 7])
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompts[1]], seeded, use_tqdm=False)[0]
+    others = SamplingParams(max_tokens=16, temperature=0.7, ignore_eos=True)
+    together = llm.generate(prompts, [others, seeded, others], use_tqdm=False)
+    again = llm.generate([prompts[2], prompts[1]], [others, seeded], use_tqdm=False)[1]
+    assert together[1].token_ids == alone.token_ids == again.token_ids
+
+
+def test_logprobs_are_returned_per_token(v3_path):
+    llm = LLM(v3_path, dtype="float32", max_total_tokens=512)
+    out = llm.generate([_prompts([9])[0]], SamplingParams(max_tokens=5, temperature=0, logprobs=3,
+                                                          ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.logprobs) == 5
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == token and lp.logprob <= 0
+        assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy picks the most likely
+
+
+@pytest.mark.parametrize("prompt, params, field", [
+    ([], SamplingParams(), "prompt is empty"),
+    (list(range(2, 300)) * 2, SamplingParams(max_tokens=1), "context length"),
+    ([5, 6, 7], SamplingParams(max_tokens=600), "max_tokens"),
+    ([5, 6, 7], SamplingParams(max_tokens=200), "never fit"),
+    ([5, 6, 999], SamplingParams(), "token ids"),
+])
+def test_bad_requests_are_refused_with_a_clear_error(v3_path, prompt, params, field):
+    llm = LLM(v3_path, dtype="float32", max_total_tokens=128)
+    with pytest.raises(ValueError, match=field):
+        llm.generate([prompt], params, use_tqdm=False)
+    assert not llm.scheduler.has_work
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-1), "temperature"),
+    (dict(logprobs=50), "logprobs"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
