@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from moeserve import LLM, SamplingParams
@@ -66,3 +68,14 @@ def test_unknown_setting_is_refused(tmp_path):
     path = make_tiny_model(str(tmp_path / "m"))
     with pytest.raises(ValueError, match="page_sise"):
         LLM(path, page_sise=4)
+
+
+def test_sharded_checkpoint_gives_the_same_tokens(tmp_path):
+    single = make_tiny_model(str(tmp_path / "single"), preset="v2-lite", seed=5, initializer_range=0.1)
+    sharded = make_tiny_model(str(tmp_path / "sharded"), preset="v2-lite", seed=5, initializer_range=0.1,
+                              shard_size_mb=0.05)
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outs = [LLM(p, dtype="float32", max_total_tokens=256).generate(["shards"], params, use_tqdm=False)[0]
+            for p in (single, sharded)]
+    assert outs[0].token_ids == outs[1].token_ids
