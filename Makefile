@@ -22,8 +22,7 @@ test: setup
 	$(BIN)/python -m pytest tests
 
 demo: setup
-	$(BIN)/moeserve make-tiny-model /tmp/moeserve-tiny-v3 --preset v3 --seed 0
-	$(BIN)/moeserve generate --model-path /tmp/moeserve-tiny-v3 --prompt "Hello, MoE!" --max-tokens 16
+	$(BIN)/moeserve demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -14,6 +14,32 @@ from moeserve.executor.sampler import Sampler, SamplingInfo
 from moeserve.scheduler.policy import BatchPolicy, Queues
 
 
+def check_request(prompt_ids: list[int], params: SamplingParams, config: EngineConfig, kv_capacity: int,
+                  has_tokenizer: bool) -> None:
+    """Raise ValueError naming the problem when a request can never run.
+
+    The API process calls this too, so bad input is refused before a response starts streaming.
+    """
+    params.validate()
+    if params.stop and not has_tokenizer:
+        raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    vocab = config.model.vocab_size
+    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+    context = config.context_length
+    if len(prompt_ids) >= context:
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens, the context length is {context}")
+    if len(prompt_ids) + params.max_tokens > context:
+        raise ValueError(f"max_tokens ({params.max_tokens}) plus the prompt ({len(prompt_ids)} tokens) "
+                         f"exceeds the context length {context}")
+    if len(prompt_ids) + params.max_tokens > kv_capacity:
+        raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                         f"can never fit in the KV cache of {kv_capacity} tokens")
+
+
 class Detokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -52,25 +78,7 @@ class Scheduler:
         return req
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
-        context = self.config.context_length
-        if len(prompt_ids) >= context:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens, the context length is {context}")
-        if len(prompt_ids) + params.max_tokens > context:
-            raise ValueError(f"max_tokens ({params.max_tokens}) plus the prompt ({len(prompt_ids)} tokens) "
-                             f"exceeds the context length {context}")
-        capacity = self.runner.max_total_tokens
-        if len(prompt_ids) + params.max_tokens > capacity:
-            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                             f"can never fit in the KV cache of {capacity} tokens")
+        check_request(prompt_ids, params, self.config, self.runner.max_total_tokens, self.tokenizer is not None)
 
     def abort(self, rid: str, message: str = "aborted") -> Req | None:
         """End a request wherever it is and free its pages; None if it is unknown or done."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-path", required=True, help="Hugging Face checkpoint folder")
+def _add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    p.add_argument("--model-path", required=model_required,
+                   help="Hugging Face checkpoint folder" + ("" if model_required else
+                                                           " (default: the small chat model shipped in the package)"))
     p.add_argument("--tokenizer-path", default=None)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -48,6 +51,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from moeserve.config import build_engine_config
+    from moeserve.models.tiny_chat import embedded_model_path
+    from moeserve.server.api import ServerConfig
+    from moeserve.server.launch import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    model_path = args.model_path or embedded_model_path()
+    engine = build_engine_config(model_path, **engine_settings(args))
+    name = args.served_model_name or (os.path.basename(os.path.normpath(model_path)) if args.model_path else "tiny-chat")
+    server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
+                          max_queued_requests=args.max_queued_requests)
+    return serve(engine, server)
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> int:
+    from moeserve.bench.serving import run_serving_benchmark
+
+    summary = run_serving_benchmark(args)
+    return 0 if summary.get("completed", 0) > 0 else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from moeserve.server.demo import run_demo
+
+    return run_demo()
+
+
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from moeserve.models.tiny import make_tiny_model
 
@@ -71,6 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    _add_engine_flags(srv, model_required=False)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--max-queued-requests", type=int, default=256,
+                     help="answer 503 (Retry-After) while this many requests wait for their first token")
+    srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench_serving = bench.add_parser("serving", help="load a running server with requests and measure latency")
+    from moeserve.bench.serving import add_serving_args
+
+    add_serving_args(bench_serving)
+    bench_serving.set_defaults(func=cmd_bench_serving)
+
+    demo = sub.add_parser("demo", help="serve the shipped chat model, chat with it, benchmark it, stop")
+    demo.set_defaults(func=cmd_demo)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random DeepSeek checkpoint")
     tiny.add_argument("out")

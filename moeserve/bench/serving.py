@@ -1,0 +1,439 @@
+"""Online serving benchmark for an OpenAI-compatible server (``moeserve bench serving``).
+
+Like SGLang's ``bench_serving`` and vLLM's ``benchmark_serving``: random token-id prompts arrive
+as a seeded Poisson process, each is streamed from ``/v1/completions``, and time to first token
+(TTFT), inter-token latency (ITL) and end-to-end latency (E2E) are summarised in milliseconds.
+Only this client is measured; the server may be moeserve or any engine speaking the same API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import statistics
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+__all__ = ["add_serving_args", "arrival_offsets", "latency_stats", "percentile", "run_serving_benchmark",
+           "sample_random_requests"]
+
+DATASETS = ("random",)
+FALLBACK_VOCAB_SIZE = 256
+MIN_TOKEN_ID = 10  # low ids are usually special tokens (BOS/EOS/pad); keep them out of prompts
+STAT_NAMES = ("mean", "median", "p90", "p99", "std")
+# Read is the gap between bytes, not a total: a queued request may wait long for its first token.
+# The pool never waits because the semaphore / connection limit already bound what is in flight.
+_TIMEOUT = httpx.Timeout(connect=30.0, read=600.0, write=30.0, pool=None)
+_MAX_ERROR_CHARS = 500
+# What one request can fail with: transport and protocol errors, then a malformed stream
+# (bad JSON is a ValueError; a chunk of the wrong shape a Key/Type/AttributeError).
+_REQUEST_ERRORS = (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError)
+
+
+def add_serving_args(parser: argparse.ArgumentParser) -> None:
+    """Add the ``bench serving`` flags to ``parser``."""
+    p = parser
+    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:30000")
+    p.add_argument("--model", default=None, help="model name to send (default: first id from GET /v1/models)")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrival rate in requests/s (default inf: send all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--dataset", default="random", choices=DATASETS)
+    p.add_argument("--random-input-len", type=int, default=1024, help="longest prompt, in tokens")
+    p.add_argument("--random-output-len", type=int, default=128, help="longest output (max_tokens)")
+    p.add_argument("--random-range-ratio", type=float, default=1.0,
+                   help="lengths are uniform in [ratio * len, len]")
+    p.add_argument("--seed", type=int, default=1, help="seeds the prompts and the arrival times")
+    p.add_argument("--output-json", default=None, help="write summary and per-request records here")
+    p.add_argument("--plot", default=None, help="save latency distributions to this PNG")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+@dataclass(frozen=True)
+class ServingBenchConfig:
+    """Validated settings of one benchmark run (one field per flag)."""
+
+    base_url: str
+    model: str | None
+    api_key: str | None
+    num_prompts: int
+    request_rate: float
+    max_concurrency: int | None
+    dataset: str
+    random_input_len: int
+    random_output_len: int
+    random_range_ratio: float
+    seed: int
+    output_json: str | None
+    plot: str | None
+    disable_tqdm: bool
+
+    def __post_init__(self) -> None:
+        checks = {
+            "num_prompts must be >= 1": self.num_prompts >= 1,
+            "request_rate must be > 0": self.request_rate > 0,
+            "max_concurrency must be >= 1": self.max_concurrency is None or self.max_concurrency >= 1,
+            f"dataset must be one of {DATASETS}": self.dataset in DATASETS,
+            "random_input_len and random_output_len must be >= 1":
+                min(self.random_input_len, self.random_output_len) >= 1,
+            "random_range_ratio must be in [0, 1]": 0.0 <= self.random_range_ratio <= 1.0,
+        }
+        for message, ok in checks.items():
+            if not ok:
+                raise ValueError(message)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServingBenchConfig:
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        values["base_url"] = values["base_url"].rstrip("/")
+        return cls(**values)
+
+    def to_json(self, model: str) -> dict[str, Any]:
+        """Settings for the report: the resolved model, no API key, and strict JSON (inf rate -> null)."""
+        out = dataclasses.asdict(self)
+        del out["api_key"]
+        out["model"] = model
+        out["request_rate"] = None if math.isinf(self.request_rate) else self.request_rate
+        return out
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One prompt to send: token ids and the number of tokens to ask for."""
+
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    """What one streamed request measured; times in seconds."""
+
+    prompt_len: int
+    success: bool = False
+    error: str = ""
+    output_len: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    start: float = 0.0  # when it was sent, from the start of the benchmark
+
+    def to_json(self, index: int) -> dict[str, Any]:
+        return {"index": index, "success": self.success, "error": self.error,
+                "prompt_len": self.prompt_len, "output_len": self.output_len,
+                "start_s": self.start, "ttft_ms": 1e3 * self.ttft,
+                "itl_ms": [1e3 * x for x in self.itl], "e2e_latency_ms": 1e3 * self.latency}
+
+
+# ---------------------------------------------------------------- workload
+
+
+def sample_random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
+                           vocab_size: int, rng: random.Random) -> list[BenchRequest]:
+    """Prompts of ids uniform in [MIN_TOKEN_ID, vocab_size); lengths uniform in [ratio * len, len]."""
+
+    def length(full: int) -> int:
+        return rng.randint(max(int(full * range_ratio), 1), full)
+
+    ids = range(MIN_TOKEN_ID, vocab_size)
+    return [BenchRequest(rng.choices(ids, k=length(input_len)), length(output_len)) for _ in range(num_prompts)]
+
+
+def arrival_offsets(num_requests: int, rate: float, rng: random.Random) -> list[float]:
+    """Send times in seconds from the start: a Poisson process of ``rate`` req/s, the first at 0."""
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    offsets, t = [], 0.0
+    for _ in range(num_requests):
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return offsets
+
+
+# ---------------------------------------------------------------- server queries
+
+
+async def fetch_model_id(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model the server lists; the benchmark cannot name one without it."""
+    resp = await client.get(f"{base_url}/v1/models")
+    resp.raise_for_status()
+    models = resp.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
+    return models[0]["id"]
+
+
+async def fetch_vocab_size(client: httpx.AsyncClient, base_url: str) -> int:
+    """``vocab_size`` from ``/get_model_info`` (an SGLang/moeserve extension); a small default elsewhere."""
+    try:
+        resp = await client.get(f"{base_url}/get_model_info")
+        resp.raise_for_status()
+        vocab_size = int(resp.json()["vocab_size"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        print(f"warning: no vocab_size from /get_model_info ({exc!r}); drawing ids below "
+              f"{FALLBACK_VOCAB_SIZE}", file=sys.stderr)
+        return FALLBACK_VOCAB_SIZE
+    return vocab_size if vocab_size > MIN_TOKEN_ID else FALLBACK_VOCAB_SIZE
+
+
+# ---------------------------------------------------------------- one request
+
+
+def _payload(model: str, req: BenchRequest) -> dict[str, Any]:
+    # ignore_eos makes the output length the requested one, so runs are comparable across models.
+    return {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+def _sse_data(line: str) -> str | None:
+    """The payload of a server-sent ``data:`` line; None for blank lines, comments and other fields."""
+    if not line.startswith("data:"):
+        return None
+    return line[len("data:"):].strip()
+
+
+def _has_content(chunk: dict[str, Any]) -> bool:
+    """Whether a stream chunk carries generated text or token ids (the usage chunk does not)."""
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if choice.get("text") or choice.get("token_ids") or delta.get("content"):
+            return True
+    return False
+
+
+async def _read_stream(resp: httpx.Response, result: RequestResult, sent: float) -> None:
+    """Time the content chunks of one SSE stream into ``result``."""
+    last, n_chunks, usage = sent, 0, None
+    async for line in resp.aiter_lines():
+        data = _sse_data(line)
+        if not data:
+            continue
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            result.error = f"stream error: {json.dumps(chunk['error'])[:_MAX_ERROR_CHARS]}"
+            return
+        usage = chunk.get("usage") or usage
+        if not _has_content(chunk):
+            continue
+        now = time.perf_counter()
+        if n_chunks == 0:
+            result.ttft = now - sent
+        else:
+            result.itl.append(now - last)
+        last, n_chunks = now, n_chunks + 1
+    # A chunk may carry several tokens; the server's own count is exact when it sends one.
+    result.output_len = int((usage or {}).get("completion_tokens", n_chunks))
+    result.success = n_chunks > 0
+    result.error = "" if result.success else "stream ended without any output"
+
+
+async def send_request(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
+                       epoch: float) -> RequestResult:
+    """Stream one completion and measure it; never raises, a failure is recorded in the result."""
+    result = RequestResult(prompt_len=len(req.prompt))
+    sent = time.perf_counter()
+    result.start = sent - epoch
+    try:
+        async with client.stream("POST", url, json=_payload(model, req)) as resp:
+            if resp.status_code == 200:
+                await _read_stream(resp, result, sent)
+            else:
+                body = (await resp.aread()).decode(errors="replace")
+                result.error = f"HTTP {resp.status_code}: {body[:_MAX_ERROR_CHARS]}"
+    except _REQUEST_ERRORS as exc:  # one broken request must not end the whole benchmark
+        result.success, result.error = False, f"{type(exc).__name__}: {exc}"
+    result.latency = time.perf_counter() - sent
+    return result
+
+
+# ---------------------------------------------------------------- the run
+
+
+async def _run_requests(client: httpx.AsyncClient, cfg: ServingBenchConfig, model: str,
+                        requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+    """Send ``requests`` at their arrival times; returns results (in request order) and the duration."""
+    offsets = arrival_offsets(len(requests), cfg.request_rate, random.Random(f"arrivals-{cfg.seed}"))
+    limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else contextlib.nullcontext()
+    url = f"{cfg.base_url}/v1/completions"
+    pbar = tqdm(total=len(requests), disable=cfg.disable_tqdm, desc="requests")
+    epoch = time.perf_counter()
+
+    async def one(req: BenchRequest) -> RequestResult:
+        async with limit:  # an arrival that finds the limit reached waits here, untimed
+            result = await send_request(client, url, model, req, epoch)
+        pbar.update(1)
+        return result
+
+    tasks = []
+    for req, offset in zip(requests, offsets, strict=True):
+        # Sleep to an absolute time so that loop overhead does not accumulate into the schedule.
+        await asyncio.sleep(max(0.0, epoch + offset - time.perf_counter()))
+        tasks.append(asyncio.create_task(one(req)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - epoch
+    pbar.close()
+    return list(results), duration
+
+
+async def _benchmark(cfg: ServingBenchConfig) -> tuple[str, list[RequestResult], float]:
+    """Resolve the model and vocabulary, build the prompts, run them; returns (model, results, duration)."""
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    # Enough connections for every request that may be in flight, so none queues inside httpx.
+    in_flight = cfg.max_concurrency or cfg.num_prompts
+    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=_TIMEOUT) as client:
+        model = cfg.model or await fetch_model_id(client, cfg.base_url)
+        vocab_size = await fetch_vocab_size(client, cfg.base_url)
+        requests = sample_random_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len,
+                                          cfg.random_range_ratio, vocab_size, random.Random(cfg.seed))
+        results, duration = await _run_requests(client, cfg, model, requests)
+    return model, results, duration
+
+
+def run_serving_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark that ``args`` (from :func:`add_serving_args`) describe; returns the summary."""
+    cfg = ServingBenchConfig.from_args(args)
+    model, results, duration = asyncio.run(_benchmark(cfg))
+    summary = summarize(results, duration)
+    print(format_table(summary, title=_title(cfg, model)))
+    _warn_failures(results)
+    if cfg.output_json:
+        write_json(cfg.output_json, cfg.to_json(model), summary, results)
+    if cfg.plot:
+        plot_latencies(cfg.plot, results, _title(cfg, model))
+    return summary
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of non-empty sorted values, interpolating linearly between
+    order statistics (numpy's default), so numbers match SGLang's and vLLM's reports."""
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
+    """Mean, median (p50), p90, p99 and population std of ``values``; all None when there are none."""
+    if not values:
+        return dict.fromkeys(STAT_NAMES)
+    xs = sorted(values)
+    mean = statistics.fmean(xs)
+    return {"mean": mean, "median": percentile(xs, 50), "p90": percentile(xs, 90),
+            "p99": percentile(xs, 99), "std": statistics.pstdev(xs, mean)}
+
+
+def _latency_series(results: Sequence[RequestResult]) -> dict[str, list[float]]:
+    """TTFT, ITL and E2E samples in ms over the successful requests, keyed by summary name."""
+    ok = [r for r in results if r.success]
+    return {"ttft": [1e3 * r.ttft for r in ok], "itl": [1e3 * x for r in ok for x in r.itl],
+            "e2e_latency": [1e3 * r.latency for r in ok]}
+
+
+def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, Any]:
+    """Counts, throughputs (per second of ``duration``) and latency stats as ``{stat}_{metric}_ms``."""
+    ok = [r for r in results if r.success]
+    n_in, n_out = sum(r.prompt_len for r in ok), sum(r.output_len for r in ok)
+    seconds = max(duration, 1e-9)
+    summary: dict[str, Any] = {
+        "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "request_throughput": len(ok) / seconds, "input_throughput": n_in / seconds,
+        "output_throughput": n_out / seconds, "total_token_throughput": (n_in + n_out) / seconds,
+        # Average requests in flight (Little's law), to check the offered load was what was meant.
+        "concurrency": sum(r.latency for r in ok) / seconds,
+    }
+    for metric, values in _latency_series(results).items():
+        for stat, value in latency_stats(values).items():
+            summary[f"{stat}_{metric}_ms"] = value
+    return summary
+
+
+# ---------------------------------------------------------------- reports
+
+_TABLE_ROWS = (
+    ("Successful requests", "completed", "d"), ("Failed requests", "failed", "d"),
+    ("Benchmark duration (s)", "duration_s", ".2f"), ("Total input tokens", "total_input_tokens", "d"),
+    ("Total output tokens", "total_output_tokens", "d"), ("Request throughput (req/s)", "request_throughput", ".2f"),
+    ("Input token throughput (tok/s)", "input_throughput", ".2f"),
+    ("Output token throughput (tok/s)", "output_throughput", ".2f"),
+    ("Total token throughput (tok/s)", "total_token_throughput", ".2f"), ("Concurrency", "concurrency", ".2f"),
+)
+_METRIC_LABELS = {"ttft": "TTFT", "itl": "ITL", "e2e_latency": "E2E"}
+
+
+def _title(cfg: ServingBenchConfig, model: str) -> str:
+    concurrency = cfg.max_concurrency or "unlimited"
+    return (f"{model}: {cfg.num_prompts} prompts, rate {cfg.request_rate:g} req/s, max concurrency "
+            f"{concurrency}, input {cfg.random_input_len} / output {cfg.random_output_len} tokens "
+            f"(range ratio {cfg.random_range_ratio:g})")
+
+
+def format_table(summary: dict[str, Any], title: str) -> str:
+    """The summary as aligned text: counts and throughputs, then one row of stats per latency metric."""
+    width = 60  # a 10-wide label and five 10-wide stat columns
+    lines = [" Serving Benchmark Result ".center(width, "="), textwrap.fill(title, width)]
+    lines += [f"{label + ':':<44}{summary[key]:>16{fmt}}" for label, key, fmt in _TABLE_ROWS]
+    lines += ["-" * width, f"{'(ms)':<10}" + "".join(f"{s:>10}" for s in STAT_NAMES)]
+    for metric, label in _METRIC_LABELS.items():
+        cells = (summary[f"{stat}_{metric}_ms"] for stat in STAT_NAMES)
+        lines.append(f"{label:<10}" + "".join("-".rjust(10) if v is None else f"{v:>10.2f}" for v in cells))
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+def _warn_failures(results: Sequence[RequestResult]) -> None:
+    failed = [r for r in results if not r.success]
+    if failed:
+        print(f"warning: {len(failed)} of {len(results)} requests failed; first error: {failed[0].error}",
+              file=sys.stderr)
+
+
+def write_json(path: str, config: dict[str, Any], summary: dict[str, Any],
+               results: Sequence[RequestResult]) -> None:
+    """Write ``{"config", "summary", "requests"}`` as strict JSON (no NaN or Infinity)."""
+    report = {"config": config, "summary": summary, "requests": [r.to_json(i) for i, r in enumerate(results)]}
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, allow_nan=False)
+
+
+def plot_latencies(path: str, results: Sequence[RequestResult], title: str) -> None:
+    """Save histograms of TTFT, ITL and E2E (ms), with the median and p99 marked, as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional: only needed for --plot
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)  # no pyplot: no global figure state and no display backend
+    series = _latency_series(results)
+    for ax, (metric, values) in zip(fig.subplots(1, 3), series.items(), strict=True):
+        label = _METRIC_LABELS[metric]
+        ax.set(title=f"{label} ({len(values)} samples)", xlabel=f"{label} (ms)", ylabel="count")
+        if not values:
+            ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
+            continue
+        ax.hist(values, bins=min(50, max(10, len(values) // 5)), color="tab:blue", alpha=0.8)
+        stats = latency_stats(values)
+        ax.axvline(stats["median"], color="tab:orange", linestyle="--", label=f"median {stats['median']:.1f}")
+        ax.axvline(stats["p99"], color="tab:red", linestyle=":", label=f"p99 {stats['p99']:.1f}")
+        ax.legend()
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=100)

@@ -1,0 +1,83 @@
+"""``moeserve demo``: serve the shipped chat model, talk to it with the openai client, load it
+briefly with the serving benchmark, and shut everything down."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from moeserve.models.tiny_chat import held_out_prompts
+
+START_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "moeserve.server.cli", "serve", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("the demo server did not start; run `moeserve serve` to see why")
+
+
+def _chat(base_url: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="demo")
+    for question, expected in held_out_prompts(4, seed=2024):
+        reply = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": question}],
+                                               temperature=0, max_tokens=16)
+        answer = reply.choices[0].message.content
+        mark = "ok" if answer.strip() == expected else f"expected {expected}"
+        print(f"  user: {question:<24} assistant: {answer:<10} ({mark})")
+    question = "What is 404+317?"
+    print(f"  user: {question:<24} assistant (streaming): ", end="", flush=True)
+    stream = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": question}],
+                                            temperature=0, max_tokens=16, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+    print()
+
+
+def _bench(base_url: str) -> None:
+    from moeserve.bench.serving import add_serving_args, run_serving_benchmark
+
+    parser = argparse.ArgumentParser()
+    add_serving_args(parser)
+    run_serving_benchmark(parser.parse_args(["--base-url", base_url, "--num-prompts", "32", "--request-rate", "16",
+                                             "--random-input-len", "24", "--random-output-len", "8"]))
+
+
+def run_demo() -> int:
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    print(f"starting `moeserve serve` (the shipped tiny DeepSeek-V3-architecture chat model) on {base_url} ...")
+    proc = _start_server(port)
+    try:
+        print("chat through the openai client:")
+        _chat(base_url)
+        print("\na short serving benchmark (32 requests):")
+        _bench(base_url)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        print(f"\nserver stopped (exit code {code})")
+    return 0

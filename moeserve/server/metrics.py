@@ -1,0 +1,50 @@
+"""Prometheus metrics of the API process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from moeserve.scheduler.io import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
+
+
+class Metrics:
+    """One registry per server, so several servers in one process (tests) do not collide."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=reg)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, list(labels), buckets=_LATENCY_BUCKETS, registry=reg)
+
+        self.num_running = gauge("moeserve:num_running_reqs", "requests being prefilled or decoded").labels(**labels)
+        self.num_queued = gauge("moeserve:num_queue_reqs", "requests waiting in the engine queue").labels(**labels)
+        self.pages_used = gauge("moeserve:kv_pages_used", "KV cache pages in use").labels(**labels)
+        self.pages_total = gauge("moeserve:kv_pages_total", "KV cache pages in all").labels(**labels)
+        self.prompt_tokens = Counter("moeserve:prompt_tokens", "prompt tokens received", list(labels),
+                                     registry=reg).labels(**labels)
+        self.generation_tokens = Counter("moeserve:generation_tokens", "tokens generated", list(labels),
+                                         registry=reg).labels(**labels)
+        self.requests = Counter("moeserve:requests", "finished requests", [*labels, "finish_reason"], registry=reg)
+        self.ttft = histogram("moeserve:time_to_first_token_seconds", "time to first token").labels(**labels)
+        self.itl = histogram("moeserve:inter_token_latency_seconds", "time between tokens").labels(**labels)
+        self.e2e = histogram("moeserve:e2e_request_latency_seconds", "request latency").labels(**labels)
+        self._labels = labels
+
+    def update_engine(self, stats: EngineStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_queued.set(stats.num_waiting)
+        self.pages_used.set(stats.pages_used)
+        self.pages_total.set(stats.pages_total)
+
+    def finished(self, reason: str) -> None:
+        self.requests.labels(**self._labels, finish_reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

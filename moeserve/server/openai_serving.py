@@ -1,0 +1,275 @@
+"""Turn OpenAI-style requests into engine jobs, and engine chunks into OpenAI-style responses."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from moeserve.core import SamplingParams, TokenLogprob
+from moeserve.server.engine_client import Chunk
+from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+if TYPE_CHECKING:
+    from moeserve.server.api import ServerState
+
+
+@dataclass
+class Job:
+    """One engine request: choice ``index`` of the response."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Result:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+
+
+def _api_error(message: str) -> Exception:
+    from moeserve.server.api import APIError
+
+    return APIError(400, message)
+
+
+def _params(state: ServerState, body: Any, ids: list[int], max_tokens: int | None, logprobs: int | None,
+            choice: int) -> SamplingParams:
+    if max_tokens is None:
+        max_tokens = max(state.engine.context_length - len(ids), 1)
+    try:
+        params = body.sampling_params(max_tokens, logprobs, choice)
+    except ValueError as exc:
+        raise _api_error(str(exc)) from exc
+    state.check(ids, params)
+    return params
+
+
+# ---- building jobs -------------------------------------------------------------------------
+def completion_jobs(state: ServerState, body: CompletionRequest) -> list[Job]:
+    if body.echo:
+        raise _api_error("echo is not supported")
+    prompts = _prompt_list(body.prompt)
+    jobs = []
+    for p_index, prompt in enumerate(prompts):
+        ids = state.encode(prompt)
+        for choice in range(body.n):
+            params = _params(state, body, ids, body.max_tokens, body.logprobs, choice)
+            jobs.append(Job(p_index * body.n + choice, p_index, ids, params))
+    return jobs
+
+
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise _api_error("prompt is empty")
+    if all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def chat_jobs(state: ServerState, body: ChatCompletionRequest) -> list[Job]:
+    if state.tokenizer is None:
+        raise _api_error("this model has no tokenizer, so it has no chat template")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        ids = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as exc:
+        raise _api_error(str(exc)) from exc
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return [Job(c, 0, ids, _params(state, body, ids, max_tokens, logprobs, c)) for c in range(body.n)]
+
+
+_NATIVE_NAMES = {"max_new_tokens": "max_tokens"}
+
+
+def native_job(state: ServerState, body: GenerateRequest) -> tuple[list[int], SamplingParams]:
+    if (body.text is None) == (body.input_ids is None):
+        raise _api_error("give exactly one of text and input_ids")
+    ids = state.encode(body.text if body.text is not None else body.input_ids)
+    settings = {_NATIVE_NAMES.get(k, k): v for k, v in body.sampling_params.items()}
+    settings.setdefault("max_tokens", 128)
+    if body.return_logprob:
+        settings["logprobs"] = body.top_logprobs_num
+    try:
+        params = SamplingParams(**settings)
+    except TypeError as exc:
+        raise _api_error(f"sampling_params: {exc}") from exc
+    except ValueError as exc:
+        raise _api_error(f"sampling_params.{exc}") from exc
+    state.check(ids, params)
+    return ids, params
+
+
+# ---- running jobs --------------------------------------------------------------------------
+async def collect(chunks: AsyncIterator[Chunk]) -> Result:
+    result = Result()
+    async for chunk in chunks:
+        _add(result, chunk)
+    return result
+
+
+def _add(result: Result, chunk: Chunk) -> None:
+    result.text += chunk.text
+    result.token_ids += chunk.token_ids
+    result.logprobs += chunk.logprobs
+    result.finish_reason = chunk.finish_reason
+    result.prompt_tokens = chunk.prompt_tokens
+
+
+async def run_all(state: ServerState, jobs: list[Job]) -> list[Result]:
+    """Run every job concurrently; if one fails or the caller is cancelled, cancel the rest."""
+    tasks = [asyncio.ensure_future(collect(state.client.generate(j.prompt_ids, j.params))) for j in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def merged(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[Job, Chunk]]:
+    """Chunks of all jobs as they arrive, interleaved."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            async for chunk in state.client.generate(job.prompt_ids, job.params):
+                queue.put_nowait((job, chunk, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((job, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            job, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            remaining -= chunk.finish_reason is not None
+            yield job, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _usage(jobs: list[Job], results: list[Result]) -> dict[str, int]:
+    prompt = sum({j.prompt_index: r.prompt_tokens for j, r in zip(jobs, results)}.values())
+    completion = sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _header(kind: str, state: ServerState, prefix: str) -> dict[str, Any]:
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+            "model": state.server.served_model_name}
+
+
+def _token_str(state: ServerState, token_id: int) -> str:
+    return state.tokenizer.decode([token_id], skip_special_tokens=False) if state.tokenizer else str(token_id)
+
+
+# ---- completions ---------------------------------------------------------------------------
+def _completion_logprobs(state: ServerState, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "tokens": [_token_str(state, lp.token_id) for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{_token_str(state, t): v for t, v in lp.top} for lp in logprobs],
+    }
+
+
+def _completion_choice(state: ServerState, body: CompletionRequest, index: int, text: str,
+                       logprobs: list[TokenLogprob], finish: str | None) -> dict[str, Any]:
+    lp = _completion_logprobs(state, logprobs) if body.logprobs is not None else None
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+
+async def completion_response(state: ServerState, body: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
+    results = await run_all(state, jobs)
+    choices = [_completion_choice(state, body, j.index, r.text, r.logprobs, r.finish_reason)
+               for j, r in zip(jobs, results)]
+    return {**_header("text_completion", state, "cmpl"), "choices": choices, "usage": _usage(jobs, results)}
+
+
+async def stream_completion(state: ServerState, body: CompletionRequest, jobs: list[Job]) -> AsyncIterator[dict]:
+    header = _header("text_completion", state, "cmpl")
+    results = [Result() for _ in jobs]
+    async for job, chunk in merged(state, jobs):
+        _add(results[job.index], chunk)
+        choice = _completion_choice(state, body, job.index, chunk.text, chunk.logprobs, chunk.finish_reason)
+        yield {**header, "choices": [choice]}
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**header, "choices": [], "usage": _usage(jobs, results)}
+
+
+# ---- chat completions ----------------------------------------------------------------------
+def _chat_logprobs(state: ServerState, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token_id: int, value: float) -> dict[str, Any]:
+        token = _token_str(state, token_id)
+        return {"token": token, "logprob": value, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+async def chat_response(state: ServerState, body: ChatCompletionRequest, jobs: list[Job]) -> dict[str, Any]:
+    results = await run_all(state, jobs)
+    choices = [{"index": j.index, "message": {"role": "assistant", "content": r.text},
+                "logprobs": _chat_logprobs(state, r.logprobs) if body.logprobs else None,
+                "finish_reason": r.finish_reason} for j, r in zip(jobs, results)]
+    return {**_header("chat.completion", state, "chatcmpl"), "choices": choices, "usage": _usage(jobs, results)}
+
+
+async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: list[Job]) -> AsyncIterator[dict]:
+    header = _header("chat.completion.chunk", state, "chatcmpl")
+    for job in jobs:
+        yield {**header, "choices": [{"index": job.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]}
+    results = [Result() for _ in jobs]
+    async for job, chunk in merged(state, jobs):
+        _add(results[job.index], chunk)
+        delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
+        lp = _chat_logprobs(state, chunk.logprobs) if body.logprobs else None
+        yield {**header, "choices": [{"index": job.index, "delta": delta, "logprobs": lp,
+                                      "finish_reason": chunk.finish_reason}]}
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**header, "choices": [], "usage": _usage(jobs, results)}
+
+
+# ---- native /generate ----------------------------------------------------------------------
+def _native_body(result: Result, started: float, rid: str, with_logprobs: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {"id": rid, "prompt_tokens": result.prompt_tokens,
+                            "completion_tokens": len(result.token_ids),
+                            "finish_reason": {"type": result.finish_reason} if result.finish_reason else None,
+                            "e2e_latency": time.monotonic() - started}
+    if with_logprobs:
+        meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in result.logprobs]
+        meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top] for lp in result.logprobs]
+    return {"text": result.text, "output_ids": result.token_ids, "meta_info": meta}
+
+
+async def native_response(state: ServerState, body: GenerateRequest, ids: list[int],
+                          params: SamplingParams) -> dict[str, Any]:
+    started = time.monotonic()
+    result = await collect(state.client.generate(ids, params))
+    return _native_body(result, started, uuid.uuid4().hex, body.return_logprob)
+
+
+async def stream_native(state: ServerState, body: GenerateRequest, ids: list[int],
+                        params: SamplingParams) -> AsyncIterator[dict]:
+    """Like SGLang: every event carries the text and token ids so far."""
+    started, rid, result = time.monotonic(), uuid.uuid4().hex, Result()
+    async for chunk in state.client.generate(ids, params):
+        _add(result, chunk)
+        yield _native_body(result, started, rid, body.return_logprob)
+
+

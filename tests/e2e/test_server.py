@@ -1,0 +1,225 @@
+"""``moeserve serve`` as a real process tree on loopback, driven by the openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+import openai
+import pytest
+
+from moeserve import LLM, SamplingParams
+from moeserve.models.tiny import make_tiny_model
+from tests.e2e.server_utils import alive, descendants, metric, start_server, wait_for
+
+API_KEY = "test-key"
+PROMPTS = ["The capital of", "abc", "Once upon a time there was"]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("srv") / "v3"), preset="v3", seed=4, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("logs") / "server.log")
+    srv = start_server(["--model-path", model_path, "--served-model-name", "tiny", "--api-key", API_KEY,
+                        "--page-size", "4", "--max-total-tokens", "4096", "--chunked-prefill-size", "64",
+                        "--max-queued-requests", "256"], log)
+    yield srv
+    tree = descendants(srv.proc.pid)
+    assert tree, "the server should have an engine process"
+    assert srv.stop(signal.SIGTERM) == 0, srv.log()
+    assert wait_for(lambda: not any(alive(pid) for pid in tree), timeout=10), "processes left behind"
+
+
+@pytest.fixture(scope="module")
+def offline(model_path):
+    return LLM(model_path, dtype="auto", page_size=4, max_total_tokens=4096)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
+
+
+def _greedy(offline, prompts, max_tokens=12):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.text for o in offline.generate(prompts, params, use_tqdm=False)]
+
+
+def test_completions_match_offline_engine(client, offline):
+    expected = _greedy(offline, PROMPTS)
+    for prompt, text in zip(PROMPTS, expected):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == text and out.choices[0].finish_reason == "length"
+        assert out.usage.completion_tokens == 12
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == text
+
+
+def test_batch_of_prompts_and_token_ids(client, offline):
+    ids = offline.tokenizer.encode(PROMPTS[2])
+    out = client.completions.create(model="tiny", prompt=[ids, ids], max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in out.choices] == [_greedy(offline, [ids])[0]] * 2
+
+
+def test_chat_completions_match_offline_engine(client, offline):
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    ids = offline.tokenizer.apply_chat_template(messages)
+    expected = _greedy(offline, [ids], 10)[0]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == expected and out.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_n_seed_logprobs_and_stop(client, offline):
+    out = client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=1.0, n=2, seed=7,
+                                    extra_body={"ignore_eos": True})
+    again = client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=1.0, n=2, seed=7,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    lp = client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0, logprobs=2,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    # alternatives that decode to the same text share a key, as in OpenAI's format
+    assert len(lp.token_logprobs) == 4 and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    assert len(chat.choices[0].logprobs.content) == 3
+    full = _greedy(offline, ["Once upon a time there was"], 16)[0]
+    stop = full[4:6]
+    cut = client.completions.create(model="tiny", prompt="Once upon a time there was", max_tokens=16, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.find(stop)]
+
+
+def test_native_generate_returns_token_ids(server, offline):
+    ids = offline.tokenizer.encode("abc")
+    expected = offline.generate([ids], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                                use_tqdm=False)[0]
+    r = httpx.post(f"{server.base_url}/generate", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                               "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == expected.token_ids
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "length"}
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(f"{server.base_url}/health_generate", headers=headers, timeout=30).status_code == 200
+    assert metric(server.base_url, "moeserve:generation_tokens_total") > 0
+    assert metric(server.base_url, "moeserve:time_to_first_token_seconds_count") > 0
+
+
+def test_64_concurrent_requests_all_complete_and_pages_return(server):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+        tasks = [client.completions.create(model="tiny", prompt=f"request {i}", max_tokens=8 + i % 9,
+                                           temperature=0.8, seed=i, stream=i % 2 == 0,
+                                           extra_body={"ignore_eos": True}) for i in range(64)]
+        results = await asyncio.gather(*tasks)
+        counts = []
+        for i, res in enumerate(results):
+            if i % 2 == 0:
+                counts.append(sum([1 async for c in res if c.choices and c.choices[0].finish_reason]))
+            else:
+                counts.append(res.usage.completion_tokens == 8 + i % 9)
+        await client.close()
+        return counts
+
+    assert all(asyncio.run(run()))
+    assert wait_for(lambda: metric(server.base_url, "moeserve:kv_pages_used") == 0)
+    assert metric(server.base_url, "moeserve:num_running_reqs") == 0
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
+    aborted_before = _aborted(server)
+    body = {"model": "tiny", "prompt": "a long one", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: ") for line in got)
+    assert wait_for(lambda: _aborted(server) == aborted_before + 1)
+    assert wait_for(lambda: metric(server.base_url, "moeserve:kv_pages_used") == 0)
+
+
+def _aborted(server) -> float:
+    try:
+        return metric(server.base_url, "moeserve:requests_total", finish_reason="abort")
+    except KeyError:
+        return 0.0
+
+
+BAD = [
+    ("malformed json", b'{"model": "tiny", "prompt": ', "JSON"),
+    ("wrong type", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ("unknown model", {"model": "gpt-9", "prompt": "x"}, "gpt-9"),
+    ("over context", {"model": "tiny", "prompt": "word " * 600}, "context length"),
+    ("max_tokens < 1", {"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("bad stop type", {"model": "tiny", "prompt": "x", "stop": 5}, "stop"),
+    ("empty stop", {"model": "tiny", "prompt": "x", "stop": [""]}, "stop"),
+    ("top_p", {"model": "tiny", "prompt": "x", "top_p": 1.5}, "top_p"),
+    ("empty prompt", {"model": "tiny", "prompt": ""}, "empty"),
+]
+
+
+@pytest.mark.parametrize("name, body, needle", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_400_and_the_server_keeps_serving(server, client, name, body, needle):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.base_url}/v1/completions", content=content, headers=headers)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_bad_chat_input_gets_400(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=headers,
+                   json={"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=headers, json={"model": "tiny", "messages": []})
+    assert r.status_code == 400
+
+
+def test_wrong_api_key_gets_401(server):
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong").models.list()
+
+
+def test_bench_serving_against_the_server(server, tmp_path):
+    import argparse
+
+    from moeserve.bench.serving import add_serving_args, run_serving_benchmark
+
+    parser = argparse.ArgumentParser()
+    add_serving_args(parser)
+    args = parser.parse_args(["--base-url", server.base_url, "--api-key", API_KEY, "--num-prompts", "16",
+                              "--request-rate", "50", "--random-input-len", "24", "--random-output-len", "8",
+                              "--output-json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"),
+                              "--disable-tqdm"])
+    summary = run_serving_benchmark(args)
+    assert summary["completed"] == 16 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == sum(r["output_len"] for r in
+                                                 json.loads((tmp_path / "bench.json").read_text())["requests"])
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
