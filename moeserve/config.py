@@ -223,16 +223,85 @@ class SchedulerConfig:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
 
 
+A2A_BACKENDS = ("none", "torch", "deepep")
+DEEPEP_MODES = ("normal", "low_latency", "auto")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Single process for now; the scale-out step fills in the rest."""
+    """The layout over ``tp_size`` ranks (one process each), named as SGLang names it.
+
+    ``tp_size`` is the world. With DP attention the world is split into ``dp_size`` attention
+    groups of ``tp_size / dp_size`` ranks; routed experts are spread over all ranks (EP);
+    the dense FFN runs tensor-parallel over groups of ``moe_dense_tp_size`` ranks.
+    """
 
     tp_size: int = 1
     dp_size: int = 1
+    enable_dp_attention: bool = False
+    ep_size: int | None = None  # None: the world when an all-to-all backend is on, else 1
+    moe_a2a_backend: str = "none"
+    deepep_mode: str = "auto"
+    moe_dense_tp_size: int | None = None  # None: the attention-TP size
+    enable_dp_lm_head: bool = False
+    ep_num_redundant_experts: int = 0
+    max_dispatch_tokens_per_rank: int = 128
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    load_balance_method: str = "round_robin"
 
     def __post_init__(self) -> None:
-        if self.tp_size != 1 or self.dp_size != 1:
-            raise ValueError("tp_size/dp_size > 1 are not supported yet")
+        n = self.tp_size
+        _require(n >= 1, "tp_size", f"must be >= 1, got {n}")
+        _require(self.moe_a2a_backend in A2A_BACKENDS, "moe_a2a_backend", f"must be one of {A2A_BACKENDS}")
+        _require(self.deepep_mode in DEEPEP_MODES, "deepep_mode", f"must be one of {DEEPEP_MODES}")
+        _require(self.dp_size >= 1 and n % self.dp_size == 0, "dp_size", f"must divide tp_size {n}")
+        _require(self.dp_size == 1 or self.enable_dp_attention, "dp_size",
+                 "> 1 needs --enable-dp-attention (data parallelism is over attention)")
+        _require(n % self.dense_tp_size == 0, "moe_dense_tp_size", f"must divide tp_size {n}")
+        _require(self.ep_world in (1, n), "ep_size", f"must be 1 or tp_size ({n})")
+        _require(self.moe_a2a_backend != "none" or self.ep_world == 1, "ep_size",
+                 "> 1 needs an all-to-all backend (--moe-a2a-backend torch or deepep)")
+        _require(self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0")
+        _require(self.max_dispatch_tokens_per_rank >= 1, "max_dispatch_tokens_per_rank", "must be >= 1")
+        _require(self.nnodes >= 1 and n % self.nnodes == 0, "nnodes", f"must divide tp_size {n}")
+        _require(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, {self.nnodes})")
+        _require(self.nnodes == 1 or self.dist_init_addr is not None, "dist_init_addr",
+                 "is required with nnodes > 1 (host:port of node 0)")
+        _require(self.load_balance_method in ("round_robin", "shortest_queue"), "load_balance_method",
+                 "must be round_robin or shortest_queue")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size
+
+    @property
+    def attn_dp_size(self) -> int:
+        return self.dp_size if self.enable_dp_attention else 1
+
+    @property
+    def attn_tp_size(self) -> int:
+        return self.tp_size // self.attn_dp_size
+
+    @property
+    def dense_tp_size(self) -> int:
+        return self.moe_dense_tp_size or self.attn_tp_size
+
+    @property
+    def ep_world(self) -> int:
+        if self.ep_size is not None:
+            return self.ep_size
+        return self.tp_size if self.moe_a2a_backend != "none" else 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {message}")
 
 
 @dataclass(frozen=True)

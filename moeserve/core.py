@@ -151,6 +151,19 @@ class ForwardMode(enum.Enum):
 
 
 @dataclass
+class DPInfo:
+    """What the ranks agreed on for one step, known to every rank.
+
+    ``token_counts[d]`` / ``seq_counts[d]``: new tokens and sequences of data-parallel group ``d``
+    (0 for an idle group); ``moe_mode``: the dispatch mode all ranks use this step.
+    """
+
+    token_counts: list[int]
+    seq_counts: list[int]
+    moe_mode: str = "normal"
+
+
+@dataclass
 class ForwardBatch:
     """Everything one forward pass needs, as tensors on the model's device.
 
@@ -170,6 +183,10 @@ class ForwardBatch:
     prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
     kv_pool: Any = None  # the MLAKVPool the attention layers read and write
+    dp: DPInfo | None = None  # what every data-parallel group runs this step
+
+    def dp_info(self) -> DPInfo:
+        return self.dp or DPInfo([self.num_tokens], [self.batch_size], "normal")
 
     @property
     def batch_size(self) -> int:

@@ -12,7 +12,8 @@ from moeserve.config import build_engine_config
 from moeserve.core import Req, SamplingParams, TokenLogprob
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.models.tokenizer import load_tokenizer
-from moeserve.scheduler.scheduler import Scheduler
+from moeserve.scheduler.ranked_engine import RankedEngine
+from moeserve.scheduler.scheduler import Scheduler, check_request
 
 Prompt = str | list[int]
 
@@ -27,7 +28,11 @@ class RequestOutput:
 
 
 class LLM:
-    """Runs the engine in this process. Settings are the CLI's flags as keyword arguments."""
+    """The engine behind a Python call. Settings are the CLI's flags as keyword arguments.
+
+    One rank runs in this process; a parallel layout (``tp_size`` > 1 …) starts the rank
+    processes, exactly as ``moeserve serve`` does, and talks to them over ZMQ.
+    """
 
     def __init__(self, model_path: str, **settings: Any) -> None:
         self.config = build_engine_config(model_path, **settings)
@@ -35,9 +40,25 @@ class LLM:
         eos = set(self.config.model.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.runner = ModelRunner(self.config)
-        self.scheduler = Scheduler(self.config, self.runner, self.tokenizer, tuple(sorted(eos)))
+        self._ranks: RankedEngine | None = None
+        if self.config.parallel.world_size > 1:
+            self._ranks = RankedEngine(self.config)
+        else:
+            self.runner = ModelRunner(self.config)
+            self.scheduler = Scheduler(self.config, self.runner, self.tokenizer, tuple(sorted(eos)))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the rank processes (a no-op for a single in-process rank)."""
+        if self._ranks is not None:
+            self._ranks.close()
+            self._ranks = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -46,6 +67,10 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         token_lists = [self._encode(p) for p in prompt_list]
+        if self._ranks is not None:
+            for ids, p in zip(token_lists, params):
+                check_request(ids, p, self.config, self._ranks.max_total_tokens, self.tokenizer is not None)
+            return [_output(r) for r in self._ranks.generate(token_lists, params, use_tqdm)]
         reqs: list[Req] = []
         try:
             for ids, p in zip(token_lists, params):

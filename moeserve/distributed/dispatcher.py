@@ -2,8 +2,15 @@
 
 The interface is DeepEP's: ``dispatch`` returns what the local experts must compute plus a
 handle, and ``combine`` uses the handle to bring the expert outputs back to the token order,
-weighted and summed over each token's top-k. Expert-parallel dispatchers send tokens across
-ranks; ``LocalDispatcher`` is the single-rank case where every expert is local.
+weighted and summed over each token's top-k. Each call is split into an issue half (``*_a``,
+starts the communication) and a wait half (``*_b``, finishes it) so that two-batch overlap can
+run one micro-batch's compute between the halves of the other's communication.
+
+Expert-parallel dispatchers (``ep_dispatch``) send tokens across ranks; ``LocalDispatcher`` is the
+single-rank case where every expert is local. ``make_dispatcher`` picks one by name.
+
+Two output layouts, as DeepEP hands tokens to DeepGEMM (see ``kernels/grouped_gemm``):
+``DispatchOutput`` (contiguous) and ``MaskedDispatchOutput`` (masked).
 """
 
 from __future__ import annotations
@@ -13,14 +20,65 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.distributed.groups import Group
+
 
 @dataclass
 class DispatchOutput:
     """Tokens for the local experts in contiguous layout: ``hidden [M, D]`` with expert ``e``
-    owning rows ``seg_indptr[e]:seg_indptr[e+1]``."""
+    owning rows ``seg_indptr[e]:seg_indptr[e+1]`` (``seg_indptr [E_local + 1]`` int64).
+
+    A segment may end in zero padding rows (when the dispatcher aligns segments); its first
+    ``tokens_per_expert[e]`` rows are the real ones. ``tokens_per_expert [E_local]`` int64 is
+    ``None`` when the dispatcher does not report it.
+    """
 
     hidden: torch.Tensor
     seg_indptr: torch.Tensor
+    tokens_per_expert: torch.Tensor | None = None
+
+
+@dataclass
+class MaskedDispatchOutput:
+    """Tokens for the local experts in masked layout: ``hidden [E_local, M_max, D]`` with expert
+    ``e`` using only its first ``masked_m[e]`` rows (``masked_m [E_local]`` int32, on the device);
+    rows at or past ``masked_m[e]`` are zero. The shape is fixed, so no host sync is needed."""
+
+    hidden: torch.Tensor
+    masked_m: torch.Tensor
+
+
+RecvTokens = DispatchOutput | MaskedDispatchOutput
+
+
+class Dispatcher(ABC):
+    """Routes tokens to experts and back. ``hidden [T, D]``, ``topk_ids [T, k]`` int64 physical
+    expert ids, ``topk_weights [T, k]`` (fp32). ``dispatch``/``combine`` are ``b(a(...))``."""
+
+    @abstractmethod
+    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> object:
+        """Start sending the tokens; returns a pending object for ``dispatch_b``."""
+
+    @abstractmethod
+    def dispatch_b(self, pending: object) -> tuple[RecvTokens, object]:
+        """Wait for the tokens -> (the local experts' input, a handle for ``combine``)."""
+
+    @abstractmethod
+    def combine_a(self, expert_out: torch.Tensor, handle: object) -> object:
+        """Start sending ``expert_out`` (the layout ``dispatch`` produced) back; returns a pending object."""
+
+    @abstractmethod
+    def combine_b(self, pending: object) -> torch.Tensor:
+        """Wait for the expert outputs -> ``[T, D]``, each token's weighted sum over its top-k."""
+
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> tuple[RecvTokens, object]:
+        """``hidden [T, D]``, ``topk_ids [T, k]`` (physical expert ids), ``topk_weights [T, k]``."""
+        return self.dispatch_b(self.dispatch_a(hidden, topk_ids, topk_weights))
+
+    def combine(self, expert_out: torch.Tensor, handle: object) -> torch.Tensor:
+        """``expert_out`` in the layout ``dispatch`` produced -> ``[T, D]``."""
+        return self.combine_b(self.combine_a(expert_out, handle))
 
 
 @dataclass
@@ -30,33 +88,52 @@ class LocalHandle:
     num_tokens: int
 
 
-class Dispatcher(ABC):
-    @abstractmethod
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> tuple[DispatchOutput, object]:
-        """``hidden [T, D]``, ``topk_ids [T, k]`` (physical expert ids), ``topk_weights [T, k]``."""
-
-    @abstractmethod
-    def combine(self, expert_out: torch.Tensor, handle: object) -> torch.Tensor:
-        """``expert_out`` in the layout ``dispatch`` produced -> ``[T, D]``."""
-
-
 class LocalDispatcher(Dispatcher):
-    """All ``num_experts`` experts live on this rank: dispatch is a sort by expert id."""
+    """All ``num_experts`` experts live on this rank: dispatch is a sort by expert id, and the
+    halves are trivial (nothing to overlap)."""
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
 
-    def dispatch(self, hidden, topk_ids, topk_weights):
+    def dispatch_a(self, hidden, topk_ids, topk_weights):
         flat_ids = topk_ids.flatten()  # [T * k]
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts)
         seg_indptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
         token_index = order // topk_ids.shape[1]
         handle = LocalHandle(token_index, topk_weights.flatten()[order], hidden.shape[0])
-        return DispatchOutput(hidden[token_index], seg_indptr), handle
+        return DispatchOutput(hidden[token_index], seg_indptr, counts), handle
 
-    def combine(self, expert_out, handle):
+    def dispatch_b(self, pending):
+        return pending
+
+    def combine_a(self, expert_out, handle):
         weighted = expert_out * handle.weights.unsqueeze(1).to(expert_out.dtype)
         out = expert_out.new_zeros(handle.num_tokens, expert_out.shape[1])
         return out.index_add_(0, handle.token_index, weighted)
+
+    def combine_b(self, pending):
+        return pending
+
+
+DISPATCH_MODES = ("none", "normal", "low_latency")
+
+
+def make_dispatcher(mode: str, ep: Group, num_local_experts: int, max_dispatch_tokens_per_rank: int,
+                    alignment: int = 1) -> Dispatcher:
+    """The dispatcher for ``mode``: ``"none"`` (all experts local; needs ``ep.size == 1``),
+    ``"normal"`` (prefill; contiguous layout, segments padded to ``alignment`` rows) or
+    ``"low_latency"`` (decode; masked layout, at most ``max_dispatch_tokens_per_rank`` tokens
+    per rank per call). Choosing per batch ("auto") is the caller's job: all ranks must agree."""
+    if mode == "none":
+        if ep.size != 1:
+            raise ValueError(f"dispatch mode 'none' needs an EP group of one rank, got {ep.size}")
+        return LocalDispatcher(num_local_experts)
+    # imported here so that other backends (DeepEP) can sit beside it without import costs
+    from moeserve.distributed.ep_dispatch import TorchLowLatencyDispatcher, TorchNormalDispatcher
+
+    if mode == "normal":
+        return TorchNormalDispatcher(ep, num_local_experts, alignment)
+    if mode == "low_latency":
+        return TorchLowLatencyDispatcher(ep, num_local_experts, max_dispatch_tokens_per_rank)
+    raise ValueError(f"unknown dispatch mode {mode!r}; choose from {DISPATCH_MODES}")

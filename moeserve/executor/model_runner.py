@@ -9,7 +9,11 @@ import torch
 
 from moeserve.cache import MLAKVPool, PagePool, kv_capacity_tokens
 from moeserve.config import EngineConfig
-from moeserve.core import ForwardBatch, ScheduleBatch
+from moeserve.core import DPInfo, ForwardBatch, ForwardMode, ScheduleBatch
+from moeserve.distributed.groups import ParallelGroups
+from moeserve.distributed.groups import single as single_groups
+from moeserve.eplb.placement import ExpertPlacement
+from moeserve.layers.moe import MoEOptions
 from moeserve.models.deepseek import DeepseekForCausalLM
 from moeserve.models.loader import load_checkpoint, load_dummy
 
@@ -17,17 +21,21 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, groups: ParallelGroups | None = None) -> None:
         self.config = config
+        self.groups = groups or single_groups()
         self.device = torch.device(config.load.device)
         self.dtype = config.load.torch_dtype(config.model)
         self.model = self._init_model()
         self._init_kv_cache()
 
     def _init_model(self) -> DeepseekForCausalLM:
-        load = self.config.load
+        load, cfg, par = self.config.load, self.config.model, self.config.parallel
+        placement = ExpertPlacement.trivial(cfg.num_layers, max(cfg.n_routed_experts, 1), par.ep_world,
+                                            par.ep_num_redundant_experts)
+        moe = MoEOptions(placement, par.moe_a2a_backend, par.deepep_mode, par.max_dispatch_tokens_per_rank)
         with torch.device(self.device), _default_dtype(self.dtype):
-            model = DeepseekForCausalLM(self.config.model)
+            model = DeepseekForCausalLM(cfg, self.groups, moe)
         if load.load_format == "dummy":
             load_dummy(model, load.seed)
         else:
@@ -84,14 +92,15 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, sched: ScheduleBatch, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, sched: ScheduleBatch | None, all_logits: bool = False, dp: DPInfo | None = None) -> torch.Tensor:
         """fp32 logits of each sequence's last new token ``[B, V]`` (every token ``[T, V]`` with
-        ``all_logits``)."""
-        batch = self.build_batch(sched)
+        ``all_logits``). ``sched=None`` runs an idle batch: no tokens, but every collective."""
+        batch = self.build_batch(sched or ScheduleBatch(ForwardMode.IDLE, []))
+        batch.dp = dp
         hidden = self.model(batch)
         if not all_logits:
             hidden = hidden[batch.last_token_index()]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, batch)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -11,7 +11,9 @@ from moeserve.config import ModelConfig
 from moeserve.core import ForwardBatch
 from moeserve.kernels.mla import extend_attention, mla_decode
 from moeserve.kernels.rope import apply_rope
-from moeserve.layers.linear import Linear
+from moeserve.distributed.groups import Group
+from moeserve.distributed.groups import single as single_groups
+from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm
 
 
@@ -26,25 +28,31 @@ class MLAInputs:
 class MLA(nn.Module):
     """Parameters named as in the checkpoints; the latent cache lives outside, in the KV pool."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: Group | None = None) -> None:
         super().__init__()
+        tp = tp or single_groups().world
+        if cfg.num_heads % tp.size:
+            raise ValueError(f"{cfg.num_heads} attention heads do not split over attention TP size {tp.size}")
         self.layer_id = layer_id
-        self.num_heads = cfg.num_heads
+        self.num_heads = cfg.num_heads // tp.size  # heads on this rank
+        heads = cfg.num_heads
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.scale = cfg.softmax_scale
         self.interleave = cfg.rope.interleave
         bias = cfg.attention_bias
+        # heads split over attention TP; the latent projections are small and replicated
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.qk_head_dim)
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads * cfg.qk_head_dim, tp)
         else:
             self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = Linear(cfg.q_lora_rank, cfg.num_heads * cfg.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * cfg.qk_head_dim, tp)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = Linear(cfg.num_heads * cfg.v_head_dim, cfg.hidden_size, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp)
+        # a partial sum over the TP group: the decoder layer reduce-scatters it
+        self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, cfg.hidden_size, tp, bias=bias)
 
     def prepare(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> MLAInputs:
@@ -64,7 +72,7 @@ class MLA(nn.Module):
         return MLAInputs(q_nope, q_rope)
 
     def core(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
-        """Attention of the new tokens; returns ``[T, H * v_head_dim]`` ready for ``o_proj``."""
+        """Attention of the new tokens over this rank's heads; ``[T, H_local * v_head_dim]``."""
         if batch.mode.is_decode:
             out = self._absorbed(inputs, batch)
         else:
@@ -86,7 +94,7 @@ class MLA(nn.Module):
     def _expanded(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
         cached = batch.kv_pool.layer(self.layer_id)[batch.kv_indices]  # [S, L + R]
         latent, k_rope = cached.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        kv = self.kv_b_proj(latent).view(latent.shape[0], self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
         q = torch.cat([inputs.q_nope, inputs.q_rope], dim=-1)

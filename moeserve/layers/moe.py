@@ -2,52 +2,103 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.distributed.dispatcher import DispatchOutput, LocalDispatcher
+from moeserve.distributed.dispatcher import Dispatcher, MaskedDispatchOutput, RecvTokens, make_dispatcher
+from moeserve.distributed.groups import ParallelGroups
+from moeserve.eplb.placement import ExpertPlacement
 from moeserve.kernels.activation import silu_and_mul
-from moeserve.kernels.grouped_gemm import grouped_gemm_contiguous
+from moeserve.kernels.grouped_gemm import grouped_gemm_contiguous, grouped_gemm_masked
 from moeserve.layers.gate import Gate
-from moeserve.layers.linear import frozen
+from moeserve.layers.linear import Slot, frozen
 from moeserve.layers.mlp import MLP
 
 
 class Experts(nn.Module):
-    """All routed experts of a layer as stacked weights: ``w13 [E, 2I, D]`` (gate then up) and
-    ``w2 [E, D, I]``, filled from the checkpoint's per-expert tensors."""
+    """This rank's physical expert slots as stacked weights: ``w13 [E_local, 2I, D]`` (gate then
+    up) and ``w2 [E_local, D, I]``. Slot ``j`` holds logical expert ``logical_ids[j]``, filled from
+    the checkpoint's per-expert tensors; a logical expert with several replicas here fills each."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, logical_ids: list[int], num_logical: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.w13 = frozen(num_experts, 2 * intermediate_size, hidden_size)
-        self.w2 = frozen(num_experts, hidden_size, intermediate_size)
+        self.logical_ids, self.num_logical = logical_ids, num_logical
+        self.num_experts, self.intermediate_size = len(logical_ids), intermediate_size
+        self.w13 = frozen(self.num_experts, 2 * intermediate_size, hidden_size)
+        self.w2 = frozen(self.num_experts, hidden_size, intermediate_size)
 
-    def checkpoint_slots(self) -> dict[str, list[tuple[torch.Tensor, tuple]]]:
+    def checkpoint_slots(self) -> dict[str, list[Slot]]:
         inter = self.intermediate_size
-        slots = {}
-        for e in range(self.num_experts):
-            slots[f"{e}.gate_proj.weight"] = [(self.w13, (e, slice(0, inter)))]
-            slots[f"{e}.up_proj.weight"] = [(self.w13, (e, slice(inter, 2 * inter)))]
-            slots[f"{e}.down_proj.weight"] = [(self.w2, (e,))]
+        slots: dict[str, list[Slot]] = {}
+        for e in range(self.num_logical):  # every logical name is known, held here or not
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                slots[f"{e}.{part}.weight"] = []
+        for j, e in enumerate(self.logical_ids):
+            slots[f"{e}.gate_proj.weight"].append((self.w13, (j, slice(0, inter)), ()))
+            slots[f"{e}.up_proj.weight"].append((self.w13, (j, slice(inter, 2 * inter)), ()))
+            slots[f"{e}.down_proj.weight"].append((self.w2, (j,), ()))
         return slots
 
-    def forward(self, recv: DispatchOutput) -> torch.Tensor:
-        """Contiguous layout in, contiguous layout out: ``[M, D] -> [M, D]``."""
+    def forward(self, recv: RecvTokens) -> torch.Tensor:
+        """Output in the input's layout: contiguous ``hidden [M, D] -> [M, D]`` (padding rows
+        stay zero) or masked ``hidden [E, M_max, D] -> [E, M_max, D]`` (rows at or past
+        ``masked_m[e]`` zero). ``E`` is this module's expert count (the local experts under EP)."""
+        if isinstance(recv, MaskedDispatchOutput):
+            h = grouped_gemm_masked(recv.hidden, self.w13, recv.masked_m)  # [E, M_max, 2I]
+            return grouped_gemm_masked(silu_and_mul(h), self.w2, recv.masked_m)
         h = grouped_gemm_contiguous(recv.hidden, self.w13, recv.seg_indptr)  # [M, 2I]
         return grouped_gemm_contiguous(silu_and_mul(h), self.w2, recv.seg_indptr)
 
 
+@dataclass(frozen=True)
+class MoEOptions:
+    """How routed experts are laid out and reached: placement over EP ranks and dispatch modes."""
+
+    placement: ExpertPlacement
+    a2a_backend: str = "none"  # none | torch | deepep
+    deepep_mode: str = "auto"  # normal | low_latency | auto
+    max_dispatch_tokens_per_rank: int = 128
+
+    @classmethod
+    def single(cls, cfg: ModelConfig) -> MoEOptions:
+        return cls(ExpertPlacement.trivial(cfg.num_layers, max(cfg.n_routed_experts, 1), 1))
+
+
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, groups: ParallelGroups, opts: MoEOptions) -> None:
         super().__init__()
+        self.layer_id, self.ep, self.placement = layer_id, groups.ep, opts.placement
         self.gate = Gate(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        local = opts.placement.local_slots(groups.ep.rank)
+        logical_ids = opts.placement.phy2log[layer_id, local.start:local.stop].tolist()
+        self.experts = Experts(logical_ids, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        # replicated on every rank, applied to the rank's own tokens (as with DeepEP)
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
-        self.dispatcher = LocalDispatcher(cfg.n_routed_experts)
+        self._dispatchers = self._make_dispatchers(opts, len(logical_ids))
+
+    def _make_dispatchers(self, opts: MoEOptions, num_local: int) -> dict[str, Dispatcher]:
+        if opts.a2a_backend == "none":
+            return {"none": make_dispatcher("none", self.ep, num_local, opts.max_dispatch_tokens_per_rank)}
+        if opts.a2a_backend == "deepep":
+            raise ValueError("moe_a2a_backend deepep needs DeepEP, which is not installed; use torch")
+        modes = ["normal", "low_latency"] if opts.deepep_mode == "auto" else [opts.deepep_mode]
+        return {m: make_dispatcher(m, self.ep, num_local, opts.max_dispatch_tokens_per_rank) for m in modes}
+
+    def dispatcher(self, mode: str) -> Dispatcher:
+        """The dispatcher for this step's agreed mode (the only one when there is no choice)."""
+        if len(self._dispatchers) == 1:
+            return next(iter(self._dispatchers.values()))
+        return self._dispatchers[mode]
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden [T, D]`` -> ``(topk_weights [T, k], physical topk_ids [T, k])``."""
+        weights, logical = self.gate(hidden)
+        return weights, self.placement.to_physical(self.layer_id, logical, self.ep.rank)
 
     def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.shared_experts(hidden) if self.shared_experts is not None else None

@@ -15,11 +15,15 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.core import ForwardBatch
-from moeserve.distributed.dispatcher import DispatchOutput
+from moeserve.distributed.comm import all_gather_tokens
+from moeserve.distributed.dispatcher import Dispatcher, DispatchOutput
+from moeserve.distributed.groups import ParallelGroups
+from moeserve.distributed.groups import single as single_groups
+from moeserve.distributed.layout import TokenLayout
 from moeserve.layers.embedding import Embedding, LMHead
 from moeserve.layers.mla import MLA, MLAInputs
 from moeserve.layers.mlp import MLP
-from moeserve.layers.moe import MoE
+from moeserve.layers.moe import MoE, MoEOptions
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 
@@ -36,6 +40,7 @@ class LayerState:
     topk: tuple[torch.Tensor, torch.Tensor] | None = None
     recv: DispatchOutput | None = None
     handle: object = None
+    dispatcher: Dispatcher | None = None
     expert_out: torch.Tensor | None = None
     shared_out: torch.Tensor | None = None
 
@@ -44,11 +49,17 @@ Op = Callable[[LayerState, ForwardBatch], None]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    """Between ops the residual stream is in the scattered layout (``distributed/layout.py``)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, groups: ParallelGroups, moe: MoEOptions) -> None:
         super().__init__()
-        self.self_attn = MLA(cfg, layer_id)
+        self.layout = TokenLayout(groups)
+        self.self_attn = MLA(cfg, layer_id, groups.attn_tp)
         self.is_moe = cfg.is_moe_layer(layer_id)
-        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        if self.is_moe:
+            self.mlp = MoE(cfg, layer_id, groups, moe)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, groups.dense_tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -71,26 +82,29 @@ class DecoderLayer(nn.Module):
             s.hidden, s.residual = self.input_layernorm(s.hidden, s.residual)
 
     def op_attn_prepare(self, s: LayerState, batch: ForwardBatch) -> None:
-        s.attn = self.self_attn.prepare(s.hidden, s.cos, s.sin, batch)
+        full = self.layout.gather_attn(s.hidden, batch.dp_info())  # [T_d, D], the DP group's batch
+        s.attn = self.self_attn.prepare(full, s.cos, s.sin, batch)
 
     def op_attn_core(self, s: LayerState, batch: ForwardBatch) -> None:
         s.hidden, s.attn = self.self_attn.core(s.attn, batch), None
 
     def op_attn_output(self, s: LayerState, batch: ForwardBatch) -> None:
-        s.hidden = self.self_attn.o_proj(s.hidden)
+        s.hidden = self.layout.scatter_attn(self.self_attn.o_proj(s.hidden), batch.dp_info())
 
     def op_post_norm(self, s: LayerState, batch: ForwardBatch) -> None:
         s.hidden, s.residual = self.post_attention_layernorm(s.hidden, s.residual)
 
     def op_dense_mlp(self, s: LayerState, batch: ForwardBatch) -> None:
-        s.hidden = self.mlp(s.hidden)
+        dp = batch.dp_info()
+        s.hidden = self.layout.scatter_dense(self.mlp(self.layout.gather_dense(s.hidden, dp)), dp)
 
     def op_mlp_gate(self, s: LayerState, batch: ForwardBatch) -> None:
-        s.topk = self.mlp.gate(s.hidden)
+        s.topk = self.mlp.route(s.hidden)
 
     def op_moe_dispatch(self, s: LayerState, batch: ForwardBatch) -> None:
         weights, ids = s.topk
-        s.recv, s.handle = self.mlp.dispatcher.dispatch(s.hidden, ids, weights)
+        s.dispatcher = self.mlp.dispatcher(batch.dp_info().moe_mode)
+        s.recv, s.handle = s.dispatcher.dispatch(s.hidden, ids, weights)
         s.topk = None
 
     def op_shared_experts(self, s: LayerState, batch: ForwardBatch) -> None:
@@ -100,46 +114,64 @@ class DecoderLayer(nn.Module):
         s.expert_out, s.recv = self.mlp.experts(s.recv), None
 
     def op_moe_combine(self, s: LayerState, batch: ForwardBatch) -> None:
-        out = self.mlp.dispatcher.combine(s.expert_out, s.handle)
+        out = s.dispatcher.combine(s.expert_out, s.handle)
         s.hidden = out if s.shared_out is None else out + s.shared_out
-        s.expert_out = s.handle = s.shared_out = None
+        s.expert_out = s.handle = s.shared_out = s.dispatcher = None
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, moe: MoEOptions) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, groups, moe) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, moe: MoEOptions | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DeepseekModel(cfg)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.groups = groups = groups or single_groups()
+        self.layout = TokenLayout(groups)
+        self.model = DeepseekModel(cfg, groups, moe or MoEOptions.single(cfg))
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, groups.lm_head)
         if cfg.tie_word_embeddings:
+            if groups.lm_head.size > 1:
+                raise ValueError("tied word embeddings with a vocab-parallel LM head are not supported")
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def begin(self, batch: ForwardBatch) -> LayerState:
+        """Embed this rank's scattered share of the batch; rope angles for the whole DP batch."""
         cos, sin = self.model.rotary(batch.positions)
-        return LayerState(self.model.embed_tokens(batch.input_ids), cos, sin)
+        mine = self.layout.my_slice(batch.dp_info())
+        return LayerState(self.model.embed_tokens(batch.input_ids[mine]), cos, sin)
 
-    def end(self, state: LayerState) -> torch.Tensor:
-        """Final norm; returns ``[T, D]``."""
+    def end(self, state: LayerState, batch: ForwardBatch) -> torch.Tensor:
+        """Final norm; returns the DP group's whole batch ``[T_d, D]``."""
         if state.residual is None:
-            return self.model.norm(state.hidden)
-        return self.model.norm(state.hidden, state.residual)[0]
+            hidden = self.model.norm(state.hidden)
+        else:
+            hidden = self.model.norm(state.hidden, state.residual)[0]
+        return self.layout.gather_attn(hidden, batch.dp_info())
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states ``[T, D]`` of every new token after the final norm."""
+        """Hidden states ``[T, D]`` of every new token of this DP group after the final norm."""
         state = self.begin(batch)
         for layer in self.model.layers:
             layer(state, batch)
-        return self.end(state)
+        return self.end(state, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, D]`` -> fp32 logits ``[N, V]``."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """``hidden [N, D]`` (rows of this DP group) -> fp32 logits ``[N, V]``.
+
+        A vocab-parallel head over the whole world needs every DP group's rows on every rank:
+        they are gathered over the ranks with the same attention-TP rank, and ours picked back.
+        """
+        head_group, dp_group = self.groups.lm_head, self.groups.attn_dp
+        if head_group.size == self.groups.attn_tp.size or dp_group.size == 1:
+            return self.lm_head(hidden)
+        counts = batch.dp_info().seq_counts
+        rows = all_gather_tokens(hidden, dp_group, counts)
+        start = sum(counts[:self.groups.dp_rank])
+        return self.lm_head(rows)[start:start + hidden.shape[0]]

@@ -9,9 +9,9 @@ from torch import nn
 from tqdm import tqdm
 
 from moeserve.config import ModelConfig
+from moeserve.layers.linear import Slot
 from moeserve.models.checkpoint import iter_checkpoint, list_checkpoint_tensors
 
-Slot = tuple[torch.Tensor, tuple]  # (parameter, index into it)
 _SCALE_SUFFIX = "_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -30,10 +30,10 @@ def checkpoint_slots(model: nn.Module) -> dict[str, list[Slot]]:
             prefix = f"{mod_name}." if mod_name else ""
             for name, dests in module.checkpoint_slots().items():
                 slots[prefix + name] = dests
-                claimed.update(id(param) for param, _ in dests)
+                claimed.update(id(param) for param, _, _ in dests)
     for name, param in model.named_parameters(remove_duplicate=True):
         if id(param) not in claimed:
-            slots[name] = [(param, ())]
+            slots[name] = [(param, (), ())]
     return slots
 
 
@@ -52,12 +52,13 @@ def load_checkpoint(model: nn.Module, model_path: str, cfg: ModelConfig) -> None
     stream = iter_checkpoint(model_path, cfg, wanted=set(wanted).__contains__)
     for name, tensor in tqdm(stream, total=len(wanted), desc="loading weights", unit="tensor",
                              leave=False, disable=len(wanted) < 200):
-        for param, index in slots[name]:
-            dest = param.data[index]
-            if dest.shape != tensor.shape:
+        for param, dest_index, src_index in slots[name]:
+            dest = param.data[dest_index]
+            src = tensor[src_index] if _fits(tensor, src_index) else None
+            if src is None or dest.shape != src.shape:
                 raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(dest.shape)}")
-            dest.copy_(tensor)
+                                 f"the model expects {tuple(dest.shape)} (from index {src_index})")
+            dest.copy_(src)
 
 
 def load_dummy(model: nn.Module, seed: int) -> None:
@@ -71,6 +72,14 @@ def load_dummy(model: nn.Module, seed: int) -> None:
             param.data.zero_()
         else:
             param.data.normal_(0.0, 0.02, generator=gen)
+
+
+def _fits(tensor: torch.Tensor, index: tuple) -> bool:
+    """Whether ``index`` (slices) lies inside ``tensor``, so a too-small tensor is an error, not a
+    silently shorter slice."""
+    if len(index) > tensor.dim():
+        return False
+    return all(not isinstance(i, slice) or i.stop is None or i.stop <= n for i, n in zip(index, tensor.shape))
 
 
 def _is_mtp(name: str, cfg: ModelConfig) -> bool:

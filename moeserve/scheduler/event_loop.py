@@ -1,7 +1,14 @@
-"""The engine process: receive requests over ZMQ, step the scheduler, send tokens back."""
+"""The engine rank process: receive requests, agree with the other ranks, step, send tokens.
+
+Every iteration all ranks run the same collectives in the same order: the DP group's leader
+shares the messages it received with its attention-TP peers; all ranks exchange what they are
+about to run (``agree``); if anyone has work every rank runs a forward pass, an idle one when it
+has nothing, so the MoE all-to-alls and TP gathers never wait on an absent peer.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -9,32 +16,69 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+import torch
+import torch.distributed as dist
 import zmq
 
 from moeserve.config import EngineConfig
-from moeserve.core import Req
+from moeserve.core import DPInfo, ForwardMode, Req, ScheduleBatch
+from moeserve.distributed.comm import all_gather_flat, scatter_sizes
+from moeserve.distributed.groups import ParallelGroups, build_groups
+from moeserve.distributed.groups import single as single_groups
 from moeserve.executor.model_runner import ModelRunner
+from moeserve.executor.sampler import SampleOutput
 from moeserve.models.tokenizer import load_tokenizer
 from moeserve.scheduler.io import AbortInput, EngineStats, GenerateInput, ShutdownInput, TokenOutput
+from moeserve.scheduler.ranks import RankAddresses
 from moeserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-IDLE_POLL_MS = 100
+IDLE_POLL_MS = 50
 STATS_INTERVAL_S = 0.05
 
 
+def agree(groups: ParallelGroups, batch: ScheduleBatch | None, backend: str, deepep_mode: str,
+          ll_capacity: int) -> DPInfo | None:
+    """Share every DP group's plan; None when no rank has work. Picks the step's MoE mode."""
+    mine = torch.tensor([batch.num_tokens if batch else 0, len(batch.seqs) if batch else 0,
+                         int(batch is not None and not batch.mode.is_decode), int(batch is not None)])
+    if groups.world.size > 1:
+        rows = torch.zeros(groups.world.size * 4, dtype=mine.dtype)
+        all_gather_flat(rows, mine, groups.cpu_world)
+        mine = rows.view(-1, 4)[::groups.attn_tp.size]  # one row per DP group, from its first rank
+    table = mine.view(-1, 4).tolist()
+    if not any(row[3] for row in table):
+        return None
+    tokens, seqs = [r[0] for r in table], [r[1] for r in table]
+    return DPInfo(tokens, seqs, _moe_mode(tokens, any(r[2] for r in table), groups, backend, deepep_mode,
+                                          ll_capacity))
+
+
+def _moe_mode(tokens: list[int], any_extend: bool, groups: ParallelGroups, backend: str, deepep_mode: str,
+              ll_capacity: int) -> str:
+    if backend == "none":
+        return "none"
+    if deepep_mode != "auto":
+        return deepep_mode
+    per_rank = max(max(scatter_sizes(t, groups.attn_tp.size)) for t in tokens)
+    return "normal" if any_extend or per_rank > ll_capacity else "low_latency"
+
+
 class EngineLoop:
-    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    def __init__(self, config: EngineConfig, groups: ParallelGroups, addrs: RankAddresses | None) -> None:
+        self.config, self.groups = config, groups
+        self.is_leader = groups.attn_tp.first
         tokenizer = load_tokenizer(config.load.tokenizer_path or config.load.model_path)
         eos = set(config.model.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        self.runner = ModelRunner(config)
-        self.scheduler = Scheduler(config, self.runner, tokenizer, tuple(sorted(eos)))
-        self._init_sockets(input_addr, output_addr)
+        self.runner = ModelRunner(config, groups)
+        self.scheduler = Scheduler(_with_dispatch_cap(config, groups), self.runner, tokenizer, tuple(sorted(eos)))
+        self.scheduler.sample_sync = self._share_samples
+        if self.is_leader and addrs is not None:
+            self._init_sockets(addrs.inputs[groups.dp_rank], addrs.output)
         self._sent: dict[str, int] = {}  # rid -> output tokens already sent
-        self._steps = 0
-        self._last_stats = 0.0
+        self._steps, self._last_stats, self._busy = 0, 0.0, False
         self._parent = os.getppid()
 
     def _init_sockets(self, input_addr: str, output_addr: str) -> None:
@@ -47,37 +91,69 @@ class EngineLoop:
         self.poller.register(self.inputs, zmq.POLLIN)
 
     def run(self) -> None:
-        while self._receive(block=not self.scheduler.has_work):
-            if self.scheduler.has_work:
-                self._send_outputs(self.scheduler.step())
-                self._steps += 1
-            self._send_stats()
+        while True:
+            messages = self._share(self._receive() if self.is_leader else [])
+            if any(isinstance(m, ShutdownInput) for m in messages):
+                return
+            for msg in messages:
+                self._handle(msg)
+            self._busy = self._step()
+            if self.is_leader:
+                self._send_stats()
             if os.getppid() != self._parent:
-                logger.error("the API process is gone; the engine exits")
+                logger.error("the process that started this rank is gone; exiting")
                 return
 
-    def _receive(self, block: bool) -> bool:
-        """Handle every waiting message; False when told to shut down."""
-        timeout = IDLE_POLL_MS if block else 0
-        while self.poller.poll(timeout):
-            msg = self.inputs.recv_pyobj()
-            if isinstance(msg, ShutdownInput):
-                return False
-            self._handle(msg)
-            timeout = 0
+    def _step(self) -> bool:
+        par = self.config.parallel
+        batch = self.scheduler.schedule()
+        dp = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode, par.max_dispatch_tokens_per_rank)
+        if dp is None:
+            return False
+        logits = self.runner.forward(batch, dp=dp)
+        if batch is not None:
+            reqs = self.scheduler.process(batch, logits)
+            if self.is_leader:
+                self._send_outputs(reqs)
+        self._steps += 1
         return True
 
-    def _handle(self, msg: GenerateInput | AbortInput) -> None:
+    # ---- messages --------------------------------------------------------------------------
+    def _receive(self) -> list[object]:
+        """Everything waiting on the input socket; waits a little when there is nothing to run."""
+        timeout = 0 if self._busy or self.scheduler.has_work else IDLE_POLL_MS
+        msgs = []
+        while self.poller.poll(timeout):
+            msgs.append(self.inputs.recv_pyobj())
+            timeout = 0
+        return msgs
+
+    def _share(self, msgs: list[object]) -> list[object]:
+        """The leader's messages, on every rank of its attention-TP group."""
+        tp = self.groups.cpu_attn_tp
+        if tp.size == 1:
+            return msgs
+        box = [msgs]
+        dist.broadcast_object_list(box, src=tp.leader, group=tp.group)
+        return box[0]
+
+    def _share_samples(self, out: SampleOutput) -> SampleOutput:
+        """Ranks sharing a batch append the leader's tokens, whatever their own RNG drew."""
+        return self._share([out])[0] if self.groups.attn_tp.size > 1 else out
+
+    def _handle(self, msg: object) -> None:
         if isinstance(msg, AbortInput):
             req = self.scheduler.abort(msg.rid)
-            if req is not None:
+            if req is not None and self.is_leader:
                 self._send_outputs([req])
             return
+        assert isinstance(msg, GenerateInput)
         try:
             self.scheduler.add_request(msg.rid, msg.prompt_ids, msg.params)
             self._sent[msg.rid] = 0
         except ValueError as exc:
-            self.outputs.send_pyobj([TokenOutput(msg.rid, [], finish_reason="error", error=str(exc))])
+            if self.is_leader:
+                self.outputs.send_pyobj([TokenOutput(msg.rid, [], finish_reason="error", error=str(exc))])
 
     def _send_outputs(self, reqs: list[Req]) -> None:
         batch = [self._delta(req) for req in reqs]
@@ -105,20 +181,53 @@ class EngineLoop:
         self.outputs.send_pyobj(EngineStats(
             num_running=len(q.running) + (q.chunked is not None), num_waiting=len(q.waiting),
             pages_used=pages.num_used, pages_total=pages.capacity, page_size=pages.page_size,
-            retracted=self.scheduler.policy.retracted, generation_steps=self._steps,
+            retracted=self.scheduler.policy.retracted, generation_steps=self._steps, dp_rank=self.groups.dp_rank,
         ))
 
 
-def run_engine(config: EngineConfig, input_addr: str, output_addr: str, ready: Connection) -> None:
-    """Entry point of the engine process; reports ``("ready", info)`` or ``("error", text)``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    # Ctrl-C reaches the whole process group; the API process decides when the engine stops.
+def _with_dispatch_cap(config: EngineConfig, groups: ParallelGroups) -> EngineConfig:
+    """With low-latency dispatch only, no rank may hold more tokens than its fixed buffers: cap
+    the batch (prefill chunks and running requests) so the scheduler splits work instead."""
+    par = config.parallel
+    if par.moe_a2a_backend == "none" or par.deepep_mode != "low_latency":
+        return config
+    cap = par.max_dispatch_tokens_per_rank * groups.attn_tp.size
+    sched = config.scheduler
+    capped = dataclasses.replace(
+        sched, chunked_prefill_size=min(sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else cap, cap),
+        max_prefill_tokens=min(sched.max_prefill_tokens, cap),
+        max_running_requests=min(sched.max_running_requests, cap))
+    return dataclasses.replace(config, scheduler=capped)
+
+
+def run_rank(config: EngineConfig, rank: int, addrs: RankAddresses, ready: Connection) -> None:
+    """Entry point of rank ``rank``; reports ``("ready", info)`` or ``("error", text)``."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group; the launching process decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        loop = EngineLoop(config, input_addr, output_addr)
+        groups = _init_distributed(config, rank, addrs)
+        loop = EngineLoop(config, groups, addrs)
     except Exception:  # noqa: BLE001 - the launcher shows the reason to the user
         ready.send(("error", traceback.format_exc()))
         return
     ready.send(("ready", {"max_total_tokens": loop.runner.max_total_tokens}))
     ready.close()
     loop.run()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _init_distributed(config: EngineConfig, rank: int, addrs: RankAddresses) -> ParallelGroups:
+    par = config.parallel
+    if par.world_size == 1:
+        return single_groups()
+    cuda = config.load.device == "cuda"
+    if not cuda:  # ranks sharing the cores: more threads than cores makes every collective wait
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.ranks_per_node))
+    if cuda:
+        torch.cuda.set_device(rank % par.ranks_per_node)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{addrs.dist_init}",
+                            rank=rank, world_size=par.world_size)
+    return build_groups(par.world_size, rank, par.attn_tp_size, par.dense_tp_size, par.ep_world,
+                        par.enable_dp_lm_head)

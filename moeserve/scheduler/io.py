@@ -51,3 +51,4 @@ class EngineStats:
     page_size: int
     retracted: int
     generation_steps: int
+    dp_rank: int = 0

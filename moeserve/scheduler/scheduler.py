@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from moeserve.config import EngineConfig
 from moeserve.core import FinishReason, Req, ReqStatus, SamplingParams, ScheduleBatch
 from moeserve.executor.model_runner import ModelRunner
-from moeserve.executor.sampler import Sampler, SamplingInfo
+from moeserve.executor.sampler import SampleOutput, Sampler, SamplingInfo
 from moeserve.scheduler.policy import BatchPolicy, Queues
 
 
@@ -54,6 +54,9 @@ class Scheduler:
         self._init_queues()
         self._init_policy()
         self.sampler = Sampler()
+        # ranks that share a batch must append the same tokens: the event loop replaces this with
+        # a broadcast from the group's first rank
+        self.sample_sync: Callable[[SampleOutput], SampleOutput] = lambda out: out
 
     def _init_queues(self) -> None:
         self.queues = Queues()
@@ -103,20 +106,23 @@ class Scheduler:
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Run one batch; return the requests that got a new token (finished ones included)."""
-        batch = self.policy.next_batch(self.queues)
+        batch = self.schedule()
         if batch is None:
             return []
-        logits = self.runner.forward(batch)
-        return self._process(batch, logits)
+        return self.process(batch, self.runner.forward(batch))
 
-    def _process(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
+    def schedule(self) -> ScheduleBatch | None:
+        return self.policy.next_batch(self.queues)
+
+    def process(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
+        """Apply a batch's logits: sample, append, check stops, free what finished."""
         for seq in batch.seqs:
             seq.req.kv_len = seq.end
         done = [(i, s.req) for i, s in enumerate(batch.seqs) if s.completes_fill]
         if not done:
             return []
         infos = [SamplingInfo(r.params, r.generator, r.prompt_ids, r.output_ids) for _, r in done]
-        sampled = self.sampler.sample(logits[[i for i, _ in done]], infos)
+        sampled = self.sample_sync(self.sampler.sample(logits[[i for i, _ in done]], infos))
         for k, (_, req) in enumerate(done):
             req.output_ids.append(sampled.next_ids[k])
             if sampled.logprobs is not None and sampled.logprobs[k] is not None:

@@ -22,10 +22,28 @@ def _add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -
     p.add_argument("--chunked-prefill-size", type=int, default=8192, help="prefill tokens per step; <= 0 disables")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--context-length", type=int, default=None)
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--tp-size", type=int, default=1, help="ranks (processes / GPUs) in all")
+    par.add_argument("--dp-size", type=int, default=1, help="data-parallel attention groups")
+    par.add_argument("--enable-dp-attention", action="store_true")
+    par.add_argument("--ep-size", type=int, default=None, help="default: tp-size with an all-to-all backend")
+    par.add_argument("--moe-a2a-backend", default="none", choices=["none", "torch", "deepep"])
+    par.add_argument("--deepep-mode", default="auto", choices=["normal", "low_latency", "auto"])
+    par.add_argument("--moe-dense-tp-size", type=int, default=None, help="TP size of the dense FFN layers")
+    par.add_argument("--enable-dp-lm-head", action="store_true", help="vocab-parallel LM head inside attention TP")
+    par.add_argument("--ep-num-redundant-experts", type=int, default=0)
+    par.add_argument("--max-dispatch-tokens-per-rank", type=int, default=128)
+    par.add_argument("--nnodes", type=int, default=1)
+    par.add_argument("--node-rank", type=int, default=0)
+    par.add_argument("--dist-init-addr", default=None, help="host:port of node 0, for torch.distributed")
+    par.add_argument("--load-balance-method", default="round_robin", choices=["round_robin", "shortest_queue"])
 
 
 _ENGINE_KEYS = ("tokenizer_path", "device", "dtype", "load_format", "page_size", "max_total_tokens",
-                "mem_fraction_static", "chunked_prefill_size", "max_running_requests", "context_length")
+                "mem_fraction_static", "chunked_prefill_size", "max_running_requests", "context_length",
+                "tp_size", "dp_size", "enable_dp_attention", "ep_size", "moe_a2a_backend", "deepep_mode",
+                "moe_dense_tp_size", "enable_dp_lm_head", "ep_num_redundant_experts",
+                "max_dispatch_tokens_per_rank", "nnodes", "node_rank", "dist_init_addr", "load_balance_method")
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serving_args(bench_serving)
     bench_serving.set_defaults(func=cmd_bench_serving)
+
+    plan = sub.add_parser("plan", help="per-rank memory of a deployment layout; the memory-optimal dense TP")
+    from moeserve.planner import add_plan_args, run_plan
+
+    add_plan_args(plan)
+    plan.set_defaults(func=run_plan)
 
     demo = sub.add_parser("demo", help="serve the shipped chat model, chat with it, benchmark it, stop")
     demo.set_defaults(func=cmd_demo)

@@ -15,6 +15,7 @@ import zmq.asyncio
 from moeserve.core import SamplingParams, TokenLogprob
 from moeserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from moeserve.scheduler.io import AbortInput, EngineStats, GenerateInput, ShutdownInput, TokenOutput
+from moeserve.scheduler.ranks import RankAddresses
 from moeserve.server.metrics import Metrics
 
 
@@ -39,6 +40,8 @@ class _Request:
     rid: str
     params: SamplingParams
     detok: IncrementalDetokenizer | None
+    dp: int = 0
+    cost: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.monotonic)
     last_token: float | None = None
@@ -47,22 +50,43 @@ class _Request:
 
 
 class EngineClient:
-    """Talks to the engine process over two ZMQ sockets this process binds on loopback."""
+    """Talks to the engine ranks over ZMQ sockets this process binds: one PUSH per data-parallel
+    group (its leader pulls) and one PULL that every leader pushes tokens to.
 
-    def __init__(self, tokenizer: Tokenizer | None, metrics: Metrics) -> None:
+    It is also the DP controller: each request goes to one DP group, by round robin or to the
+    group with the fewest outstanding tokens (prompt + tokens still to generate).
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, metrics: Metrics, addrs: RankAddresses,
+                 load_balance_method: str = "round_robin", bind_all_interfaces: bool = False) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.ctx = zmq.asyncio.Context()
-        self._to_engine = self.ctx.socket(zmq.PUSH)
-        self._from_engine = self.ctx.socket(zmq.PULL)
-        host = "tcp://127.0.0.1"
-        self.input_addr = f"{host}:{self._to_engine.bind_to_random_port(host)}"
-        self.output_addr = f"{host}:{self._from_engine.bind_to_random_port(host)}"
+        self._to_engine = [self._bind(zmq.PUSH, a, bind_all_interfaces) for a in addrs.inputs]
+        self._from_engine = self._bind(zmq.PULL, addrs.output, bind_all_interfaces)
+        self.load_balance_method = load_balance_method
+        self._next_dp = 0
         self._requests: dict[str, _Request] = {}
-        self.stats: EngineStats | None = None
+        self.stats: dict[int, EngineStats] = {}
         self.dead: str | None = None
         self._reader: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+
+    def _bind(self, kind: int, addr: str, all_interfaces: bool) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
+        sock.bind(f"tcp://*:{addr.rsplit(':', 1)[1]}" if all_interfaces else addr)
+        return sock
+
+    def _pick_dp(self, cost: int) -> int:
+        """The DP group for a new request costing ``cost`` tokens."""
+        n = len(self._to_engine)
+        if self.load_balance_method == "shortest_queue":
+            load = [0] * n
+            for req in self._requests.values():
+                load[req.dp] += req.cost - req.num_tokens
+            return min(range(n), key=lambda d: (load[d], d))
+        self._next_dp = (self._next_dp + 1) % n
+        return (self._next_dp - 1) % n
 
     @property
     def num_queued(self) -> int:
@@ -82,9 +106,10 @@ class EngineClient:
             raise EngineError(self.dead)
         rid = uuid.uuid4().hex
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) if self.tokenizer else None
-        req = self._requests[rid] = _Request(rid, params, detok)
+        cost = len(prompt_ids) + params.max_tokens
+        req = self._requests[rid] = _Request(rid, params, detok, self._pick_dp(cost), cost)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        await self._to_engine.send_pyobj(GenerateInput(rid, prompt_ids, params))
+        await self._to_engine[req.dp].send_pyobj(GenerateInput(rid, prompt_ids, params))
         finished = False
         try:
             while not finished:
@@ -98,18 +123,18 @@ class EngineClient:
             self._requests.pop(rid, None)
             if not finished and not self.dead:
                 self.metrics.finished("abort")
-                self._abort_soon(rid)
+                self._abort_soon(rid, req.dp)
 
-    def _abort_soon(self, rid: str) -> None:
+    def _abort_soon(self, rid: str, dp: int) -> None:
         """Send the abort from a task of its own: this request's task may be mid-cancellation,
         where any await of its own would be cancelled again before the message leaves."""
-        task = asyncio.get_running_loop().create_task(self._send(AbortInput(rid)))
+        task = asyncio.get_running_loop().create_task(self._send(AbortInput(rid), dp))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _send(self, msg: object) -> None:
+    async def _send(self, msg: object, dp: int) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            await self._to_engine.send_pyobj(msg)
+            await self._to_engine[dp].send_pyobj(msg)
 
     def _to_chunk(self, req: _Request, out: TokenOutput) -> Chunk:
         self._record_timing(req, len(out.new_ids), out.finish_reason)
@@ -155,8 +180,8 @@ class EngineClient:
         while True:
             msg = await self._from_engine.recv_pyobj()
             if isinstance(msg, EngineStats):
-                self.stats = msg
-                self.metrics.update_engine(msg)
+                self.stats[msg.dp_rank] = msg
+                self.metrics.update_engine(list(self.stats.values()))
                 continue
             for out in msg:
                 req = self._requests.get(out.rid)
@@ -171,11 +196,13 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         if not self.dead:  # a PUSH socket with no peer would wait forever
-            await self._send(ShutdownInput())
+            for dp in range(len(self._to_engine)):
+                await self._send(ShutdownInput(), dp)
         if self._reader is not None:
             self._reader.cancel()
 
     def close(self) -> None:
-        self._to_engine.close(linger=100)
+        for sock in self._to_engine:
+            sock.close(linger=100)
         self._from_engine.close(linger=0)
         self.ctx.term()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing as mp
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -15,78 +14,69 @@ from fastapi import FastAPI
 
 from moeserve.config import EngineConfig
 from moeserve.models.tokenizer import load_tokenizer
-from moeserve.scheduler.event_loop import run_engine
+from moeserve.scheduler.ranks import RankAddresses, RankProcesses
 from moeserve.server.api import ServerConfig, ServerState, build_app
 from moeserve.server.engine_client import EngineClient
 from moeserve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
-READY_TIMEOUT_S = 1800
 WATCHDOG_INTERVAL_S = 0.5
 
 
-class EngineProcess:
-    """One engine process (spawned: a forked CUDA or OpenMP runtime is not safe)."""
-
-    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str) -> None:
-        ctx = mp.get_context("spawn")
-        self._ready, child_end = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=run_engine, args=(config, input_addr, output_addr, child_end),
-                                name="moeserve-engine", daemon=True)
-        self.proc.start()
-        child_end.close()
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict:
-        deadline = time.monotonic() + timeout
-        while not self._ready.poll(0.2):
-            if not self.proc.is_alive():
-                raise RuntimeError(f"the engine process exited during start-up (code {self.proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the engine was not ready after {timeout:.0f} s")
-        status, info = self._ready.recv()
-        if status != "ready":
-            raise RuntimeError(f"the engine failed to start:\n{info}")
-        return info
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.is_alive()
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        self.proc.join(grace_s)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(grace_s)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-
-
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Run until SIGINT/SIGTERM (exit 0) or until the engine dies (exit 1)."""
+    """Run until SIGINT/SIGTERM (exit 0) or until a rank dies (exit 1).
+
+    Node 0 runs the API process and its ranks; other nodes (``--node-rank`` > 0) run only their
+    ranks, which find node 0 through ``--dist-init-addr``.
+    """
+    par = engine_config.parallel
+    addrs = RankAddresses.derive(par)
+    if par.node_rank > 0:
+        return _serve_ranks_only(engine_config, addrs)
     tokenizer = load_tokenizer(engine_config.load.tokenizer_path or engine_config.load.model_path)
-    client = EngineClient(tokenizer, Metrics(server_config.served_model_name))
-    engine = EngineProcess(engine_config, client.input_addr, client.output_addr)
+    client = EngineClient(tokenizer, Metrics(server_config.served_model_name), addrs, par.load_balance_method,
+                          bind_all_interfaces=par.nnodes > 1)
+    ranks = RankProcesses(engine_config, addrs)
     state: ServerState | None = None
     try:
-        info = engine.wait_ready()
+        info = ranks.wait_ready()
         state = ServerState(client, tokenizer, engine_config, server_config, kv_capacity=info["max_total_tokens"])
-        _http_server(state, engine).run()
+        _http_server(state, ranks).run()
     finally:
-        engine.stop()
+        ranks.stop()
         client.close()
     return 1 if state is None or state.failure else 0
 
 
-def _http_server(state: ServerState, engine: EngineProcess) -> uvicorn.Server:
+def _serve_ranks_only(engine_config: EngineConfig, addrs: RankAddresses) -> int:
+    ranks = RankProcesses(engine_config, addrs)
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        ranks.wait_ready()
+        logger.info("ranks of node %d ready", engine_config.parallel.node_rank)
+        while not stop and ranks.dead() is None:
+            time.sleep(WATCHDOG_INTERVAL_S)
+    finally:
+        ranks.stop(grace_s=1.0 if stop else 5.0)
+    return 0 if stop or all(p.exitcode == 0 for p in ranks.procs) else 1
+
+
+def _http_server(state: ServerState, ranks: RankProcesses) -> uvicorn.Server:
     server: uvicorn.Server
 
     async def watchdog() -> None:
-        while engine.alive:
+        while (dead := ranks.dead()) is None:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
         if state.healthy:  # not a shutdown we asked for
             state.healthy = False
-            state.failure = f"the engine process exited (code {engine.proc.exitcode})"
+            state.failure = f"the engine process {dead}"
             logger.error("%s; shutting down", state.failure)
             state.client.fail_all(state.failure)
             server.should_exit = True

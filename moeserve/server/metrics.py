@@ -37,11 +37,12 @@ class Metrics:
         self.e2e = histogram("moeserve:e2e_request_latency_seconds", "request latency").labels(**labels)
         self._labels = labels
 
-    def update_engine(self, stats: EngineStats) -> None:
-        self.num_running.set(stats.num_running)
-        self.num_queued.set(stats.num_waiting)
-        self.pages_used.set(stats.pages_used)
-        self.pages_total.set(stats.pages_total)
+    def update_engine(self, stats: list[EngineStats]) -> None:
+        """The latest report of every DP group, summed."""
+        self.num_running.set(sum(s.num_running for s in stats))
+        self.num_queued.set(sum(s.num_waiting for s in stats))
+        self.pages_used.set(sum(s.pages_used for s in stats))
+        self.pages_total.set(sum(s.pages_total for s in stats))
 
     def finished(self, reason: str) -> None:
         self.requests.labels(**self._labels, finish_reason=reason).inc()

@@ -1,0 +1,272 @@
+"""Expert-parallel token dispatchers over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+Names used throughout: ``N`` EP ranks, ``E_local`` experts per rank, ``E = N * E_local``
+physical experts; physical expert ``g`` lives on EP rank ``g // E_local`` as local expert
+``g % E_local`` (``eplb/placement``). ``T`` tokens on this rank, top-``k`` experts each,
+hidden size ``D``, ``C = max_dispatch_tokens_per_rank``.
+
+- ``TorchNormalDispatcher`` (prefill, high throughput): exchanges counts (one host sync), then
+  variable-size ``all_to_all_single``; contiguous layout, segments optionally aligned.
+- ``TorchLowLatencyDispatcher`` (decode): fixed ``[E, C, D]`` buffers and equal splits, every
+  shape known ahead, no host sync, so a CUDA graph can capture it; masked layout.
+
+Both apply the routing weights on the source rank, in the order ``LocalDispatcher`` does, so a
+token's output matches the single-rank engine's to rounding of the expert GEMMs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeserve.distributed.dispatcher import DispatchOutput, Dispatcher, MaskedDispatchOutput
+from moeserve.distributed.groups import Group
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, ep: Group, out_splits: list[int] | None = None,
+                in_splits: list[int] | None = None) -> dist.Work | None:
+    """Start ``all_to_all_single`` over ``ep`` (a copy for a group of one); returns the work to wait on."""
+    if ep.size == 1:
+        out.copy_(inp)
+        return None
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=ep.group, async_op=True)
+
+
+def _wait(*works: dist.Work | None) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def _exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return torch.cumsum(x, dim) - x
+
+
+# ---------------------------------------------------------------------------------------------
+# normal mode
+
+
+@dataclass
+class NormalHandle:
+    """What ``TorchNormalDispatcher.combine`` needs. ``S`` rows sent, ``R`` rows received."""
+
+    token_index: torch.Tensor  # [S] int64: source token of each sent row (rows in physical-expert order)
+    weights: torch.Tensor  # [S]: routing weight of each sent row
+    send_splits: list[int]  # [N]: rows sent to each rank
+    recv_splits: list[int]  # [N]: rows received from each rank
+    layout_rows: torch.Tensor  # [R] int64: row of the contiguous layout each received row went to
+    num_tokens: int  # T
+
+
+@dataclass
+class _NormalDispatchPending:
+    recv: torch.Tensor  # [R, D], filled once ``work`` completes
+    work: dist.Work | None
+    recv_counts: torch.Tensor  # [N, E_local] int64: rows from each source rank for each local expert
+    tokens_per_expert: list[int]  # [E_local]: rows received for each local expert (host)
+    seg_starts: list[int]  # [E_local + 1]: aligned segment starts (host)
+    handle: NormalHandle  # ``layout_rows`` still empty
+
+
+@dataclass
+class _CombinePending:
+    recv: torch.Tensor  # filled once ``work`` completes
+    work: dist.Work | None
+    handle: object
+
+
+class TorchNormalDispatcher(Dispatcher):
+    """Prefill dispatch: variable-size all-to-all, contiguous layout grouped by local expert.
+
+    Layout of the ``DispatchOutput`` on each rank: local expert ``e`` owns rows
+    ``seg_indptr[e]:seg_indptr[e+1]`` of ``hidden [M, D]``; its first ``tokens_per_expert[e]``
+    rows are its tokens, from source rank 0 first, then rank 1, ..., each source's rows in that
+    source's token order; the rest of the segment is zero padding, so that every segment length
+    (and so every ``seg_indptr[e]``) is a multiple of ``alignment`` (DeepGEMM's contiguous layout
+    wants 128 on GPU); ``M = seg_indptr[-1]``. An expert with no tokens has an empty segment. With
+    ``alignment = 1`` there is no padding. The experts map padding rows to zero (no bias) and
+    ``combine`` never reads them.
+
+    ``dispatch_a`` exchanges the ``[N, E_local]`` counts (a blocking collective and one host
+    sync: the row counts set the buffer sizes) and starts the token all-to-all; ``dispatch_b``
+    waits for it and scatters the rows into the layout. ``combine_a`` starts the reverse
+    all-to-all; ``combine_b`` waits and reduces over the top-k. An idle rank (``T = 0``) takes
+    part in every collective like the others and gets ``[0, D]`` back from ``combine``.
+    """
+
+    def __init__(self, ep: Group, num_local_experts: int, alignment: int = 1) -> None:
+        if alignment < 1:
+            raise ValueError(f"alignment must be positive, got {alignment}")
+        self.ep, self.num_local_experts, self.alignment = ep, num_local_experts, alignment
+
+    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor) -> _NormalDispatchPending:
+        """``hidden [T, D]``, ``topk_ids [T, k]`` int64 in ``[0, E)``, ``topk_weights [T, k]`` fp32."""
+        n, e_local = self.ep.size, self.num_local_experts
+        flat_ids = topk_ids.flatten()  # [T * k]
+        order = torch.argsort(flat_ids, stable=True)  # physical-expert order is destination-rank order
+        send_counts = torch.bincount(flat_ids, minlength=n * e_local).view(n, e_local)
+        recv_counts = torch.empty_like(send_counts)
+        _wait(_all_to_all(recv_counts, send_counts, self.ep))
+        host = torch.cat([send_counts.sum(1), recv_counts.flatten()]).tolist()  # the one host sync
+        send_splits, recv_grid = host[:n], [host[n + s * e_local:n + (s + 1) * e_local] for s in range(n)]
+        recv_splits = [sum(row) for row in recv_grid]
+        tokens_per_expert = [sum(col) for col in zip(*recv_grid)]
+        seg_starts = [0]
+        for count in tokens_per_expert:
+            seg_starts.append(seg_starts[-1] + -(-count // self.alignment) * self.alignment)
+
+        token_index = order // topk_ids.shape[1]  # [S]
+        recv = hidden.new_empty(sum(recv_splits), hidden.shape[1])  # [R, D]
+        work = _all_to_all(recv, hidden[token_index], self.ep, recv_splits, send_splits)
+        handle = NormalHandle(token_index, topk_weights.flatten()[order], send_splits, recv_splits,
+                              layout_rows=token_index.new_empty(0), num_tokens=hidden.shape[0])
+        return _NormalDispatchPending(recv, work, recv_counts, tokens_per_expert, seg_starts, handle)
+
+    def dispatch_b(self, pending: _NormalDispatchPending) -> tuple[DispatchOutput, NormalHandle]:
+        """-> (``DispatchOutput(hidden [M, D], seg_indptr [E_local + 1] int64,
+        tokens_per_expert [E_local] int64)``, handle for ``combine``)."""
+        device = pending.recv_counts.device
+        seg_indptr = torch.tensor(pending.seg_starts, dtype=torch.int64, device=device)
+        rows = _layout_rows(pending.recv_counts, seg_indptr, pending.recv.shape[0])  # [R]
+        _wait(pending.work)
+        out = pending.recv.new_zeros(pending.seg_starts[-1], pending.recv.shape[1])  # [M, D]
+        out[rows] = pending.recv
+        pending.handle.layout_rows = rows
+        tokens_per_expert = torch.tensor(pending.tokens_per_expert, dtype=torch.int64, device=device)
+        return DispatchOutput(out, seg_indptr, tokens_per_expert), pending.handle
+
+    def combine_a(self, expert_out: torch.Tensor, handle: NormalHandle) -> _CombinePending:
+        """``expert_out [M, D]`` in the dispatch layout; starts sending each row back to its source."""
+        recv = expert_out.new_empty(sum(handle.send_splits), expert_out.shape[1])  # [S, D]
+        back = expert_out[handle.layout_rows]  # [R, D], in received order
+        work = _all_to_all(recv, back, self.ep, handle.send_splits, handle.recv_splits)
+        return _CombinePending(recv, work, handle)
+
+    def combine_b(self, pending: _CombinePending) -> torch.Tensor:
+        """-> ``[T, D]`` in ``expert_out``'s dtype: ``sum_k topk_weights[t, k] * expert_k(hidden[t])``."""
+        _wait(pending.work)
+        handle, rows = pending.handle, pending.recv  # rows [S, D], in LocalDispatcher's order
+        weighted = rows * handle.weights.unsqueeze(1).to(rows.dtype)
+        out = rows.new_zeros(handle.num_tokens, rows.shape[1])
+        return out.index_add_(0, handle.token_index, weighted)
+
+
+def _layout_rows(recv_counts: torch.Tensor, seg_indptr: torch.Tensor, num_recv: int) -> torch.Tensor:
+    """Row of the contiguous layout for each received row -> ``[R]`` int64.
+
+    ``recv_counts [N, E_local]``: the received rows are blocks ``(source, expert)`` in row-major
+    order; block ``(s, e)`` starts at ``seg_indptr[e] + sum_{s' < s} recv_counts[s', e]``.
+    """
+    counts = recv_counts.flatten()  # [N * E_local]
+    block_in = _exclusive_cumsum(counts)  # where each block starts among the received rows
+    block_out = seg_indptr[:-1].unsqueeze(0) + _exclusive_cumsum(recv_counts, dim=0)  # [N, E_local]
+    shift = torch.repeat_interleave(block_out.flatten() - block_in, counts, output_size=num_recv)
+    return torch.arange(num_recv, device=counts.device) + shift
+
+
+# ---------------------------------------------------------------------------------------------
+# low-latency mode
+
+
+@dataclass
+class LowLatencyHandle:
+    """What ``TorchLowLatencyDispatcher.combine`` needs; every tensor lives on the device."""
+
+    topk_ids: torch.Tensor  # [T, k] int64, each row sorted ascending
+    topk_weights: torch.Tensor  # [T, k], permuted with topk_ids
+    slots: torch.Tensor  # [T, k] int64: row of (token, expert) in the C-row block sent to that expert
+    layout_rows: torch.Tensor  # [E_local, N * C] int64: masked-layout row of each received (source, slot)
+
+
+@dataclass
+class _LowLatencyDispatchPending:
+    recv: torch.Tensor  # [N, E_local, C, D], filled once ``works`` complete
+    recv_counts: torch.Tensor  # [N, E_local] int32: tokens from each source rank for each local expert
+    works: tuple[dist.Work | None, ...]
+    handle: LowLatencyHandle  # ``layout_rows`` still empty
+
+
+class TorchLowLatencyDispatcher(Dispatcher):
+    """Decode dispatch: fixed-size buffers and equal-split all-to-alls, no host synchronisation.
+
+    Every rank sends every rank a ``[E_local, C, D]`` block (so ``[E, C, D]`` in all): for each
+    physical expert, the tokens choosing it packed at the front (in token order, a token chosen
+    by two experts of one rank sent once per expert), zeros behind; and the ``[E]`` int32 count
+    per expert. Received, each local expert's valid rows are compacted on the device (cumsum and
+    scatter) into the masked layout ``MaskedDispatchOutput(hidden [E_local, N * C, D],
+    masked_m [E_local] int32)``: expert ``e``'s first ``masked_m[e]`` rows are its tokens, from
+    source rank 0 first, each source's in token order; the rows behind are zero. ``combine``
+    takes ``expert_out [E_local, N * C, D]`` in that layout back to ``[T, D]``.
+
+    Only tensor shapes steer the code (no ``.item()``, ``.tolist()``, ``nonzero`` or boolean
+    indexing), so a CUDA graph can capture dispatch, experts and combine for a fixed ``T``.
+    ``T > C`` raises ``ValueError`` (a shape check, no sync): the scheduler must split the batch.
+    """
+
+    def __init__(self, ep: Group, num_local_experts: int, max_dispatch_tokens_per_rank: int) -> None:
+        if max_dispatch_tokens_per_rank < 1:
+            raise ValueError(f"max_dispatch_tokens_per_rank must be positive, got {max_dispatch_tokens_per_rank}")
+        self.ep, self.num_local_experts = ep, num_local_experts
+        self.capacity = max_dispatch_tokens_per_rank  # C
+
+    def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor) -> _LowLatencyDispatchPending:
+        """``hidden [T, D]`` with ``T <= C``, ``topk_ids [T, k]`` int64 in ``[0, E)``, ``topk_weights [T, k]``."""
+        num_tokens, dim = hidden.shape
+        if num_tokens > self.capacity:
+            raise ValueError(f"{num_tokens} tokens on this rank exceed max_dispatch_tokens_per_rank="
+                             f"{self.capacity}; split the batch or raise the limit")
+        n, e_local, cap = self.ep.size, self.num_local_experts, self.capacity
+        # sorted so that combine adds a token's expert outputs in LocalDispatcher's order
+        topk_ids, sort = topk_ids.sort(dim=1)
+        topk_weights = topk_weights.gather(1, sort)
+        chosen = torch.zeros(num_tokens, n * e_local, dtype=torch.int32, device=hidden.device)
+        chosen.scatter_(1, topk_ids, 1)  # [T, E]
+        slots = (torch.cumsum(chosen, 0) - 1).gather(1, topk_ids)  # [T, k] token's place in each block
+        send_counts = chosen.sum(0, dtype=torch.int32)  # [E]
+        send = hidden.new_zeros(n * e_local, cap, dim)  # [E, C, D]
+        send[topk_ids, slots] = hidden.unsqueeze(1).expand(-1, topk_ids.shape[1], -1)
+        recv, recv_counts = torch.empty_like(send), torch.empty_like(send_counts)
+        works = _all_to_all(recv_counts, send_counts, self.ep), _all_to_all(recv, send, self.ep)
+        handle = LowLatencyHandle(topk_ids, topk_weights, slots, layout_rows=slots.new_empty(0))
+        return _LowLatencyDispatchPending(recv.view(n, e_local, cap, dim), recv_counts.view(n, e_local),
+                                          works, handle)
+
+    def dispatch_b(self, pending: _LowLatencyDispatchPending) -> tuple[MaskedDispatchOutput, LowLatencyHandle]:
+        """-> (``MaskedDispatchOutput(hidden [E_local, N * C, D], masked_m [E_local] int32)``, handle)."""
+        _wait(*pending.works)
+        n, e_local, cap, dim = pending.recv.shape
+        masked_m = pending.recv_counts.sum(0, dtype=torch.int32)  # [E_local]
+        slot = torch.arange(cap, device=masked_m.device)
+        valid = (slot < pending.recv_counts.t().unsqueeze(-1)).reshape(e_local, n * cap)  # [E_local, N * C]
+        before = torch.cumsum(valid, 1)  # valid rows up to and including each row
+        row = torch.arange(n * cap, device=masked_m.device)
+        # valid rows to the front in order, the (zero) invalid ones behind: a permutation per expert
+        rows = torch.where(valid, before - 1, masked_m.unsqueeze(1) + row - before)  # [E_local, N * C]
+        by_expert = pending.recv.transpose(0, 1).reshape(e_local, n * cap, dim)  # [E_local, N * C, D]
+        out = torch.empty_like(by_expert).scatter_(1, rows.unsqueeze(-1).expand(-1, -1, dim), by_expert)
+        pending.handle.layout_rows = rows
+        return MaskedDispatchOutput(out, masked_m), pending.handle
+
+    def combine_a(self, expert_out: torch.Tensor, handle: LowLatencyHandle) -> _CombinePending:
+        """``expert_out [E_local, N * C, D]`` in the masked layout; starts sending it back."""
+        e_local, n, cap, dim = self.num_local_experts, self.ep.size, self.capacity, expert_out.shape[-1]
+        back = expert_out.gather(1, handle.layout_rows.unsqueeze(-1).expand(-1, -1, dim))  # (source, slot) order
+        send = back.view(e_local, n, cap, dim).transpose(0, 1).contiguous()  # [N, E_local, C, D]
+        recv = torch.empty_like(send)
+        return _CombinePending(recv, _all_to_all(recv, send, self.ep), handle)
+
+    def combine_b(self, pending: _CombinePending) -> torch.Tensor:
+        """-> ``[T, D]`` in ``expert_out``'s dtype: ``sum_k topk_weights[t, k] * expert_k(hidden[t])``."""
+        _wait(pending.work)
+        handle = pending.handle
+        n, e_local, cap, dim = pending.recv.shape
+        rows = pending.recv.view(n * e_local, cap, dim)[handle.topk_ids, handle.slots]  # [T, k, D]
+        weights = handle.topk_weights.to(rows.dtype)
+        out = rows.new_zeros(rows.shape[0], dim)
+        for j in range(rows.shape[1]):  # ascending expert id, as LocalDispatcher's index_add
+            out += rows[:, j] * weights[:, j, None]
+        return out

@@ -1,0 +1,98 @@
+"""Process groups, built once per rank and passed down explicitly (no module globals).
+
+World of N ranks. ``attn_dp`` data-parallel attention groups of ``attn_tp = N / attn_dp`` ranks
+each (rank r is in DP group ``r // attn_tp``); dense-FFN TP groups of ``dense_tp`` consecutive
+ranks; expert parallelism over the whole world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class Group:
+    """A process group and this rank's place in it; ``group=None`` means a group of one."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    ranks: list[int]
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def leader(self) -> int:
+        """Global rank of this group's rank 0."""
+        return self.ranks[0]
+
+
+@dataclass
+class ParallelGroups:
+    world: Group
+    attn_tp: Group
+    attn_dp: Group  # the ranks with the same attn_tp rank across DP groups
+    dense_tp: Group
+    ep: Group
+    lm_head: Group
+    # gloo twins of world and attn_tp for small host-side messages (step agreement, request
+    # broadcast), so NCCL groups only ever see device tensors
+    cpu_world: Group | None = None
+    cpu_attn_tp: Group | None = None
+
+    def __post_init__(self) -> None:
+        self.cpu_world = self.cpu_world or self.world
+        self.cpu_attn_tp = self.cpu_attn_tp or self.attn_tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.world.rank // self.attn_tp.size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world.size // self.attn_tp.size
+
+
+def single() -> ParallelGroups:
+    """The groups of a one-process engine."""
+    one = Group(None, 0, 1, [0])
+    return ParallelGroups(one, one, one, one, one, one)
+
+
+def build_groups(world_size: int, rank: int, attn_tp: int, dense_tp: int, ep_size: int,
+                 dp_lm_head: bool) -> ParallelGroups:
+    """Create every group (all ranks must call this with the same arguments).
+
+    ``ep_size`` is the world (experts spread over every rank) or 1 (every rank holds all experts).
+    """
+    world = Group(dist.group.WORLD, rank, world_size, list(range(world_size)))
+    tp = _partition(world_size, rank, attn_tp, stride=1)
+    dp = _partition(world_size, rank, world_size // attn_tp, stride=attn_tp)
+    dense = _partition(world_size, rank, dense_tp, stride=1)
+    ep = world if ep_size == world_size else Group(None, 0, 1, [rank])
+    cpu_world = cpu_tp = None
+    if dist.get_backend() != "gloo":
+        cpu_world = Group(dist.new_group(backend="gloo"), rank, world_size, world.ranks)
+        cpu_tp = _partition(world_size, rank, attn_tp, stride=1, backend="gloo")
+    # with a DP LM head, each DP group runs the vocab-parallel head for its own tokens only
+    return ParallelGroups(world, tp, dp, dense, ep, tp if dp_lm_head else world, cpu_world, cpu_tp)
+
+
+def _partition(world_size: int, rank: int, size: int, stride: int, backend: str | None = None) -> Group:
+    """Split the world into groups of ``size`` ranks, ranks ``stride`` apart; return ours.
+
+    ``new_group`` is collective over the world, so every rank creates every group.
+    """
+    mine = None
+    for block in range(world_size // (size * stride)):
+        for offset in range(stride):
+            ranks = [block * size * stride + offset + i * stride for i in range(size)]
+            group = dist.new_group(ranks, backend=backend) if size > 1 else None
+            if rank in ranks:
+                mine = Group(group, ranks.index(rank), size, ranks)
+    assert mine is not None
+    return mine

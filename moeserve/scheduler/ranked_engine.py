@@ -1,0 +1,81 @@
+"""A synchronous driver of engine rank processes, for the offline ``LLM``."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import zmq
+from tqdm import tqdm
+
+from moeserve.config import EngineConfig
+from moeserve.core import FinishReason, Req, ReqStatus, SamplingParams
+from moeserve.scheduler.io import EngineStats, GenerateInput, ShutdownInput, TokenOutput
+from moeserve.scheduler.ranks import RankAddresses, RankProcesses
+
+POLL_MS = 500
+
+
+class RankedEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        addrs = RankAddresses.derive(config.parallel)
+        self.ctx = zmq.Context()
+        self.inputs = [self._bind(zmq.PUSH, a) for a in addrs.inputs]
+        self.output = self._bind(zmq.PULL, addrs.output)
+        self.ranks = RankProcesses(config, addrs)
+        try:
+            self.max_total_tokens = self.ranks.wait_ready()["max_total_tokens"]
+        except Exception:
+            self.close()
+            raise
+        self._ids = itertools.count()
+
+    def _bind(self, kind: int, addr: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.bind(addr)
+        return sock
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[Req]:
+        """Send every prompt (DP groups in turn), wait for all to finish; requests in order."""
+        reqs = {f"ranked-{next(self._ids)}": Req("", ids, p) for ids, p in zip(prompts, params)}
+        for i, (rid, req) in enumerate(reqs.items()):
+            req.rid = rid
+            self.inputs[i % len(self.inputs)].send_pyobj(GenerateInput(rid, req.prompt_ids, req.params))
+        pending = set(reqs)
+        with tqdm(total=len(reqs), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while pending:
+                for out in self._receive():
+                    if out.rid in pending and self._apply(reqs[out.rid], out):
+                        pending.discard(out.rid)
+                        bar.update(1)
+        return list(reqs.values())
+
+    def _receive(self) -> list[TokenOutput]:
+        while not self.output.poll(POLL_MS):
+            if (dead := self.ranks.dead()) is not None:
+                raise RuntimeError(f"engine {dead}")
+        msg = self.output.recv_pyobj()
+        return [] if isinstance(msg, EngineStats) else msg
+
+    @staticmethod
+    def _apply(req: Req, out: TokenOutput) -> bool:
+        """Add a message to its request; True when the request is finished."""
+        if out.error is not None:
+            raise ValueError(out.error)
+        req.output_ids += out.new_ids
+        req.output_logprobs += out.new_logprobs
+        if out.finish_reason is None:
+            return False
+        req.text = out.text or ""
+        req.status, req.finish_reason = ReqStatus.FINISHED, FinishReason(out.finish_reason)
+        return True
+
+    def close(self) -> None:
+        if self.ranks.dead() is None:
+            for sock in self.inputs:
+                with contextlib.suppress(zmq.Again):
+                    sock.send_pyobj(ShutdownInput(), flags=zmq.NOBLOCK)
+        self.ranks.stop()
+        for sock in [*self.inputs, self.output]:
+            sock.close(linger=0)
+        self.ctx.term()
