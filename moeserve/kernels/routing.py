@@ -24,7 +24,7 @@ def select_experts(
     if method == "noaux_tc":
         scores = logits.sigmoid()
         choice = scores + correction_bias if correction_bias is not None else scores
-        group_rank = choice.view(choice.shape[0], n_group, -1).topk(2, dim=-1)[0].sum(-1)
+        group_rank = choice.view(choice.shape[0], n_group, choice.shape[1] // n_group).topk(2, dim=-1)[0].sum(-1)
         choice = _mask_groups(choice, group_rank, topk_group, float("-inf"))
         ids = choice.topk(top_k, dim=-1)[1]
         weights = scores.gather(1, ids)
@@ -33,7 +33,7 @@ def select_experts(
         return weights * routed_scaling_factor, ids
     scores = logits.softmax(dim=-1)
     if method == "group_limited_greedy":
-        group_rank = scores.view(scores.shape[0], n_group, -1).max(dim=-1).values
+        group_rank = scores.view(scores.shape[0], n_group, scores.shape[1] // n_group).max(dim=-1).values
         scores = _mask_groups(scores, group_rank, topk_group, 0.0)
     elif method != "greedy":
         raise ValueError(f"unknown routing method {method!r}")
