@@ -1,0 +1,92 @@
+"""The server in parallel layouts (one node and two "nodes" on loopback) answers like one rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from moeserve import LLM, SamplingParams
+from moeserve.models.tiny import make_tiny_model
+from tests.e2e.server_utils import alive, descendants, free_port, start_server, wait_for
+
+PROMPTS = ["The capital of", "abc", "Once upon a time there was", "zz"]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("par") / "v3"), preset="v3", seed=6, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def expected(model_path) -> list[str]:
+    llm = LLM(model_path, dtype="auto", max_total_tokens=2048)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    return [o.text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _answers(base_url: str) -> list[str]:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none")
+    texts = []
+    for prompt in PROMPTS:
+        out = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        texts.append(out.choices[0].text)
+    stream = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=10, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == texts[0]
+    return texts
+
+
+COMMON = ["--served-model-name", "m", "--max-total-tokens", "2048", "--page-size", "4", "--chunked-prefill-size", "8"]
+
+
+def test_dp_attention_ep_server_matches_single_rank(model_path, expected, tmp_path):
+    srv = start_server(["--model-path", model_path, *COMMON, "--tp-size", "2", "--dp-size", "2",
+                        "--enable-dp-attention", "--moe-a2a-backend", "torch", "--load-balance-method",
+                        "shortest_queue"], str(tmp_path / "log"))
+    try:
+        assert _answers(srv.base_url) == expected
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_two_nodes_on_loopback_match_single_rank(model_path, expected, tmp_path):
+    dist_addr = f"127.0.0.1:{free_port()}"
+    layout = ["--tp-size", "4", "--dp-size", "2", "--enable-dp-attention", "--moe-a2a-backend", "torch",
+              "--moe-dense-tp-size", "2", "--nnodes", "2", "--dist-init-addr", dist_addr]
+    log1 = open(tmp_path / "node1.log", "w")
+    node1 = subprocess.Popen([sys.executable, "-m", "moeserve.server.cli", "serve", "--model-path", model_path,
+                              *COMMON, *layout, "--node-rank", "1"], stdout=log1, stderr=subprocess.STDOUT)
+    try:
+        srv = start_server(["--model-path", model_path, *COMMON, *layout, "--node-rank", "0"],
+                           str(tmp_path / "node0.log"))
+        try:
+            assert _answers(srv.base_url) == expected
+        finally:
+            assert srv.stop() == 0, srv.log()
+        node1.send_signal(signal.SIGTERM)
+        assert node1.wait(30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+def test_a_dying_rank_takes_the_server_down_cleanly(model_path, tmp_path):
+    srv = start_server(["--model-path", model_path, *COMMON, "--tp-size", "2", "--moe-a2a-backend", "torch"],
+                       str(tmp_path / "log"))
+    tree = descendants(srv.proc.pid)
+    try:
+        ranks = [pid for pid in tree if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        assert len(ranks) == 2
+        os.kill(max(ranks), signal.SIGKILL)  # rank 1, not the one talking to the API
+        assert srv.proc.wait(30) == 1, srv.log()
+        assert wait_for(lambda: not any(alive(pid) for pid in tree), timeout=15)
+    finally:
+        for pid in [srv.proc.pid, *tree]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
