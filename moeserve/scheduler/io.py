@@ -39,7 +39,6 @@ class TokenOutput:
     text: str | None = None
     error: str | None = None
     prompt_len: int = 0
-    cached_len: int = 0
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
@@ -184,32 +184,34 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                 "max_total_tokens": state.kv_capacity, "is_generation": True}
 
 
+async def _respond(request: Request, stream: bool, events: Callable[[], AsyncIterator[dict]],
+                   whole: Callable[[], Awaitable[dict]]) -> Response:
+    """Server-sent events when streaming, else one JSON body (aborted if the client leaves)."""
+    if stream:
+        return StreamingResponse(stream_events(events()), media_type="text/event-stream")
+    return JSONResponse(await until_disconnect(request, whole()))
+
+
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.admit()
         state.check_model(body.model)
         jobs = oai.completion_jobs(state, body)
-        if body.stream:
-            return StreamingResponse(stream_events(oai.stream_completion(state, body, jobs)),
-                                     media_type="text/event-stream")
-        return JSONResponse(await until_disconnect(request, oai.completion_response(state, body, jobs)))
+        return await _respond(request, body.stream, lambda: oai.stream_completion(state, body, jobs),
+                              lambda: oai.completion_response(state, body, jobs))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         state.admit()
         state.check_model(body.model)
         jobs = oai.chat_jobs(state, body)
-        if body.stream:
-            return StreamingResponse(stream_events(oai.stream_chat(state, body, jobs)),
-                                     media_type="text/event-stream")
-        return JSONResponse(await until_disconnect(request, oai.chat_response(state, body, jobs)))
+        return await _respond(request, body.stream, lambda: oai.stream_chat(state, body, jobs),
+                              lambda: oai.chat_response(state, body, jobs))
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         state.admit()
-        prompt_ids, params = oai.native_job(state, body)
-        if body.stream:
-            return StreamingResponse(stream_events(oai.stream_native(state, body, prompt_ids, params)),
-                                     media_type="text/event-stream")
-        return JSONResponse(await until_disconnect(request, oai.native_response(state, body, prompt_ids, params)))
+        ids, params = oai.native_job(state, body)
+        return await _respond(request, body.stream, lambda: oai.stream_native(state, body, ids, params),
+                              lambda: oai.native_response(state, body, ids, params))

@@ -32,7 +32,6 @@ class Chunk:
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
     prompt_tokens: int = 0
-    completion_tokens: int = 0
 
 
 @dataclass
@@ -140,7 +139,7 @@ class EngineClient:
         self._record_timing(req, len(out.new_ids), out.finish_reason)
         req.num_tokens += len(out.new_ids)
         text = self._text_delta(req, out)
-        return Chunk(text, out.new_ids, out.new_logprobs, out.finish_reason, out.prompt_len, req.num_tokens)
+        return Chunk(text, out.new_ids, out.new_logprobs, out.finish_reason, out.prompt_len)
 
     def _text_delta(self, req: _Request, out: TokenOutput) -> str:
         if req.detok is None:
