@@ -108,7 +108,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="moeserve", description="A serving engine for DeepSeek-V3-class MoE models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline, in this process")

@@ -206,6 +206,9 @@ async def stream_completion(state: ServerState, body: CompletionRequest, jobs: l
     async for job, chunk in merged(state, jobs):
         _add(results[job.index], chunk)
         choice = _completion_choice(state, body, job.index, chunk.text, chunk.logprobs, chunk.finish_reason)
+        # an extension (vLLM's too): the ids, so a client sees progress while the text is held back
+        # (an unfinished UTF-8 character, a possible stop string, a skipped special token)
+        choice["token_ids"] = chunk.token_ids
         yield {**header, "choices": [choice]}
     if body.stream_options and body.stream_options.include_usage:
         yield {**header, "choices": [], "usage": _usage(jobs, results)}
