@@ -37,15 +37,12 @@ class LLM:
     def __init__(self, model_path: str, **settings: Any) -> None:
         self.config = build_engine_config(model_path, **settings)
         self.tokenizer = load_tokenizer(self.config.load.tokenizer_path or model_path)
-        eos = set(self.config.model.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
         self._ranks: RankedEngine | None = None
         if self.config.parallel.world_size > 1:
             self._ranks = RankedEngine(self.config)
         else:
             self.runner = ModelRunner(self.config)
-            self.scheduler = Scheduler(self.config, self.runner, self.tokenizer, tuple(sorted(eos)))
+            self.scheduler = Scheduler(self.config, self.runner, self.tokenizer)
         self._ids = itertools.count()
 
     def close(self) -> None:

@@ -69,11 +69,8 @@ class EngineLoop:
         self.config, self.groups = config, groups
         self.is_leader = groups.attn_tp.first
         tokenizer = load_tokenizer(config.load.tokenizer_path or config.load.model_path)
-        eos = set(config.model.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
         self.runner = ModelRunner(config, groups)
-        self.scheduler = Scheduler(_with_dispatch_cap(config, groups), self.runner, tokenizer, tuple(sorted(eos)))
+        self.scheduler = Scheduler(_with_dispatch_cap(config, groups), self.runner, tokenizer)
         self.scheduler.sample_sync = self._share_samples
         if self.is_leader and addrs is not None:
             self._init_sockets(addrs.inputs[groups.dp_rank], addrs.output)

@@ -26,14 +26,14 @@ class RankAddresses:
     @classmethod
     def derive(cls, par: ParallelConfig) -> RankAddresses:
         """Ports ``p+1`` (outputs) and ``p+2+d`` (inputs) next to the rendezvous port ``p``."""
-        dist_init = par.dist_init_addr or f"127.0.0.1:{_free_port()}"
+        dist_init = par.dist_init_addr or f"127.0.0.1:{free_port()}"
         host, port = dist_init.rsplit(":", 1)
         base = int(port)
         inputs = tuple(f"tcp://{host}:{base + 2 + d}" for d in range(par.attn_dp_size))
         return cls(dist_init, f"tcp://{host}:{base + 1}", inputs)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -45,12 +45,13 @@ class Detokenizer(Protocol):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Detokenizer | None = None,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Detokenizer | None = None) -> None:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(eos_token_ids)
+        # the model's eos ids and the tokenizer's, which some checkpoints name differently
+        tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = frozenset(config.model.eos_token_ids) | ({tokenizer_eos} - {None})
         self._init_queues()
         self._init_policy()
         self.sampler = Sampler()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,9 @@ import time
 import httpx
 
 from moeserve.models.tiny_chat import held_out_prompts
+from moeserve.scheduler.ranks import free_port
 
 START_TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_server(port: int) -> subprocess.Popen:
@@ -67,7 +61,7 @@ def _bench(base_url: str) -> None:
 
 
 def run_demo() -> int:
-    port = _free_port()
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     print(f"starting `moeserve serve` (the shipped tiny DeepSeek-V3-architecture chat model) on {base_url} ...")
     proc = _start_server(port)
