@@ -1,0 +1,7 @@
+"""Microbenchmark cases: elementwise kernels."""
+
+from __future__ import annotations
+
+
+def cases() -> list:
+    return []

@@ -1,0 +1,7 @@
+"""Microbenchmark cases: mla kernels."""
+
+from __future__ import annotations
+
+
+def cases() -> list:
+    return []

@@ -1,0 +1,142 @@
+"""Kernel microbenchmarks: each case timed on the GPU against the ceilings measured in the same run.
+
+``moeserve bench kernels [--only SUBSTR] [--json PATH]``. The ceilings are a large
+device-to-device copy (bytes read + written), a large bf16 matmul and an fp8 matmul through
+torch (cuBLAS); each case reports its achieved TFLOP/s and GB/s, the fraction of the ceiling it
+is bound by, and, where the case has one, the time of its baseline (a torch version) beside it.
+Cases live in ``moeserve/bench/kernel_cases/*.py``, each module exporting ``cases()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+CASE_MODULES = ("elementwise", "gemm", "mla")
+
+
+@dataclass
+class KernelCase:
+    """One timed call: ``run()`` launches the kernel; ``flops`` and ``bytes`` are the least work and
+    the least device-memory traffic the call needs (each input read once, each output written once)."""
+
+    name: str
+    run: Callable[[], object]
+    flops: float = 0.0
+    bytes: float = 0.0
+    baseline: Callable[[], object] | None = None
+    baseline_name: str = "torch"
+    notes: str = ""
+
+
+@dataclass
+class Ceilings:
+    copy_gbps: float
+    bf16_tflops: float
+    fp8_tflops: float
+
+
+@dataclass
+class CaseResult:
+    name: str
+    ms: float
+    tflops: float
+    gbps: float
+    bound: str  # "compute" or "memory": the larger of the two floors
+    of_ceiling: float  # achieved rate / the measured ceiling of the binding resource
+    baseline_ms: float | None = None
+    baseline_name: str = ""
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
+    """Median time of ``fn`` in milliseconds, by CUDA events after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure_ceilings() -> Ceilings:
+    """Copy bandwidth (4 GiB buffers) and matmul rates (8192³) on random data."""
+    src = torch.randn(2**30, device="cuda")  # 4 GiB
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src), iters=20)
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    bf16_ms = time_ms(lambda: a @ b, iters=20)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    fp8_ms = time_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), iters=20)
+    flops = 2 * n**3
+    return Ceilings(copy_gbps=2 * 2**32 / copy_ms / 1e6, bf16_tflops=flops / bf16_ms / 1e9,
+                    fp8_tflops=flops / fp8_ms / 1e9)
+
+
+def run_case(case: KernelCase, ceil: Ceilings) -> CaseResult:
+    ms = time_ms(case.run)
+    tflops = case.flops / ms / 1e9
+    gbps = case.bytes / ms / 1e6
+    rate = ceil.fp8_tflops if "fp8" in case.name else ceil.bf16_tflops
+    compute_floor = case.flops / rate / 1e9
+    memory_floor = case.bytes / ceil.copy_gbps / 1e6
+    if compute_floor >= memory_floor:
+        bound, frac = "compute", tflops / rate
+    else:
+        bound, frac = "memory", gbps / ceil.copy_gbps
+    base = time_ms(case.baseline) if case.baseline is not None else None
+    return CaseResult(case.name, ms, tflops, gbps, bound, frac, base, case.baseline_name if base else "",
+                      case.notes)
+
+
+def collect_cases(only: str | None = None) -> list[KernelCase]:
+    found = []
+    for mod in CASE_MODULES:
+        for case in importlib.import_module(f"moeserve.bench.kernel_cases.{mod}").cases():
+            if only is None or only in case.name:
+                found.append(case)
+    return found
+
+
+def format_table(ceil: Ceilings, results: list[CaseResult]) -> str:
+    lines = [f"ceilings: copy {ceil.copy_gbps:.0f} GB/s, bf16 matmul {ceil.bf16_tflops:.0f} TFLOP/s, "
+             f"fp8 matmul {ceil.fp8_tflops:.0f} TFLOP/s",
+             f"{'case':58s} {'ms':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'bound':>7s} {'%ceil':>6s} {'base ms':>9s} {'speedup':>7s}"]
+    for r in results:
+        base = f"{r.baseline_ms:9.3f}" if r.baseline_ms else " " * 9
+        speed = f"{r.baseline_ms / r.ms:6.2f}x" if r.baseline_ms else ""
+        lines.append(f"{r.name:58s} {r.ms:9.4f} {r.tflops:8.1f} {r.gbps:7.0f} {r.bound:>7s} "
+                     f"{100 * r.of_ceiling:5.1f}% {base} {speed}")
+    return "\n".join(lines)
+
+
+def run_kernel_benchmarks(only: str | None = None, json_path: str | None = None) -> str:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench kernels needs a CUDA device")
+    ceil = measure_ceilings()
+    results = []
+    for case in collect_cases(only):
+        results.append(run_case(case, ceil))
+        print(format_table(ceil, results[-1:]).splitlines()[-1], flush=True)
+        torch.cuda.empty_cache()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"ceilings": asdict(ceil), "results": [asdict(r) for r in results],
+                       "device": torch.cuda.get_device_name()}, f, indent=1)
+    return format_table(ceil, results)
