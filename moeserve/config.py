@@ -180,8 +180,14 @@ class LoadConfig:
     device: str = "cpu"
     seed: int = 0
     tokenizer_path: str | None = None
+    # "fp8": weights kept in FP8 e4m3 with 128x128 block scales (an FP8 checkpoint keeps its own;
+    # a bf16/fp32 one is quantized at load). None: an FP8 checkpoint is kept in FP8 on CUDA and
+    # dequantized elsewhere (the CPU has no FP8 matmul, so it would only be slower).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization {self.quantization!r} must be None or 'fp8'")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format {self.load_format!r} must be auto, safetensors or dummy")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -299,6 +305,23 @@ class ParallelConfig:
         return self.tp_size // self.nnodes
 
 
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the model runner executes: decode batches replay CUDA graphs captured per batch size."""
+
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
+
+    def __post_init__(self) -> None:
+        _require(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be at least 1")
+
+    def graph_batch_sizes(self, max_running_requests: int) -> list[int]:
+        """Buckets a decode batch is padded up to: 1, 2, 4, 8, then every 8 (as SGLang does)."""
+        top = min(self.cuda_graph_max_bs, max_running_requests)
+        sizes = [b for b in (1, 2, 4) if b < top] + list(range(8, top + 1, 8))
+        return sorted(set(sizes + [top]))
+
+
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name} {message}")
@@ -311,13 +334,15 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
 
     @property
     def context_length(self) -> int:
         return self.scheduler.context_length or self.model.max_position_embeddings
 
 
-_SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+_SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+             "runner": RunnerConfig}
 
 
 def build_engine_config(model_path: str | None = None, **settings: Any) -> EngineConfig:
@@ -338,5 +363,5 @@ def build_engine_config(model_path: str | None = None, **settings: Any) -> Engin
     return EngineConfig(
         model=ModelConfig.from_path(model_path), load=load,
         cache=CacheConfig(**by_section["cache"]), scheduler=SchedulerConfig(**by_section["scheduler"]),
-        parallel=ParallelConfig(**by_section["parallel"]),
+        parallel=ParallelConfig(**by_section["parallel"]), runner=RunnerConfig(**by_section["runner"]),
     )
