@@ -83,14 +83,15 @@ class Dispatcher(ABC):
 
 @dataclass
 class LocalHandle:
-    token_index: torch.Tensor  # [M] source token of each dispatched row
-    weights: torch.Tensor  # [M] routing weight of each dispatched row
-    num_tokens: int
+    order: torch.Tensor  # [T * k] dispatched row j holds (token, choice) order[j] of the flat top-k
+    topk_weights: torch.Tensor  # [T, k]
 
 
 class LocalDispatcher(Dispatcher):
     """All ``num_experts`` experts live on this rank: dispatch is a sort by expert id, and the
-    halves are trivial (nothing to overlap)."""
+    halves are trivial (nothing to overlap). No host sync and fixed shapes (``T * k`` rows), so
+    it runs inside CUDA graphs; combine sums each token's ``k`` rows in a fixed order, so the
+    result does not depend on atomics."""
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
@@ -98,19 +99,21 @@ class LocalDispatcher(Dispatcher):
     def dispatch_a(self, hidden, topk_ids, topk_weights):
         flat_ids = topk_ids.flatten()  # [T * k]
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=hidden.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # bincount would sync on CUDA
         seg_indptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-        token_index = order // topk_ids.shape[1]
-        handle = LocalHandle(token_index, topk_weights.flatten()[order], hidden.shape[0])
-        return DispatchOutput(hidden[token_index], seg_indptr, counts), handle
+        recv = DispatchOutput(hidden[order // topk_ids.shape[1]], seg_indptr, counts)
+        return recv, LocalHandle(order, topk_weights)
 
     def dispatch_b(self, pending):
         return pending
 
     def combine_a(self, expert_out, handle):
-        weighted = expert_out * handle.weights.unsqueeze(1).to(expert_out.dtype)
-        out = expert_out.new_zeros(handle.num_tokens, expert_out.shape[1])
-        return out.index_add_(0, handle.token_index, weighted)
+        rows = torch.empty_like(expert_out)
+        rows[handle.order] = expert_out  # back to (token, choice) order: [T * k, D]
+        n_tokens, k = handle.topk_weights.shape
+        weighted = rows.view(n_tokens, k, rows.shape[-1]) * handle.topk_weights.unsqueeze(-1).to(rows.dtype)
+        return weighted.sum(1)
 
     def combine_b(self, pending):
         return pending

@@ -76,12 +76,32 @@ class ExpertPlacement:
     def to_physical(self, layer: int, topk_ids: torch.Tensor, ep_rank: int) -> torch.Tensor:
         """Map logical ``topk_ids [T, k]`` to physical slots, preferring a replica on ``ep_rank``
         and otherwise spreading tokens over the replicas by token index."""
-        log2phy, logcnt = self.log2phy[layer].to(topk_ids.device), self.logcnt[layer].to(topk_ids.device)
-        if int(logcnt.max()) == 1:
-            return log2phy[topk_ids, 0]
-        replicas = log2phy[topk_ids]  # [T, k, R]
+        return self.layer_map(layer, topk_ids.device).to_physical(topk_ids, ep_rank)
+
+    def layer_map(self, layer: int, device: torch.device | str) -> LayerExpertMap:
+        """One layer's maps on ``device``, made once so that routing needs no host copy or sync
+        each step (and can be captured in a CUDA graph)."""
+        logcnt = self.logcnt[layer]
+        return LayerExpertMap(self.log2phy[layer].to(device), logcnt.to(device), int(logcnt.max()),
+                              self.slots_per_rank)
+
+
+@dataclass(frozen=True)
+class LayerExpertMap:
+    """``log2phy [logical, max_replicas]`` and ``logcnt [logical]`` of one layer, on the device."""
+
+    log2phy: torch.Tensor
+    logcnt: torch.Tensor
+    max_replicas: int
+    slots_per_rank: int
+
+    def to_physical(self, topk_ids: torch.Tensor, ep_rank: int) -> torch.Tensor:
+        """Logical ``topk_ids [T, k]`` -> physical slots ``[T, k]``."""
+        if self.max_replicas == 1:
+            return self.log2phy[topk_ids, 0]
+        replicas = self.log2phy[topk_ids]  # [T, k, R]
         local = (replicas // self.slots_per_rank == ep_rank) & (replicas >= 0)
         token = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
-        spread = token % logcnt[topk_ids]  # [T, k]
+        spread = token % self.logcnt[topk_ids]  # [T, k]
         choice = torch.where(local.any(-1), local.int().argmax(-1), spread)
         return replicas.gather(2, choice.unsqueeze(-1)).squeeze(-1)

@@ -71,6 +71,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, groups: ParallelGroups, opts: MoEOptions) -> None:
         super().__init__()
         self.layer_id, self.ep, self.placement = layer_id, groups.ep, opts.placement
+        self.expert_map = opts.placement.layer_map(layer_id, torch.get_default_device())
         self.gate = Gate(cfg)
         local = opts.placement.local_slots(groups.ep.rank)
         logical_ids = opts.placement.phy2log[layer_id, local.start:local.stop].tolist()
@@ -98,7 +99,7 @@ class MoE(nn.Module):
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [T, D]`` -> ``(topk_weights [T, k], physical topk_ids [T, k])``."""
         weights, logical = self.gate(hidden)
-        return weights, self.placement.to_physical(self.layer_id, logical, self.ep.rank)
+        return weights, self.expert_map.to_physical(logical, self.ep.rank)
 
     def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.shared_experts(hidden) if self.shared_experts is not None else None
