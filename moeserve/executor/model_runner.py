@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import numpy as np
 import torch
 
 from moeserve.cache import MLAKVPool, PagePool, kv_capacity_tokens
 from moeserve.config import EngineConfig
 from moeserve.core import DPInfo, ForwardBatch, ForwardMode, ScheduleBatch
 from moeserve.distributed.groups import ParallelGroups
+from moeserve.executor.cuda_graph import CudaGraphRunner
 from moeserve.distributed.groups import single as single_groups
 from moeserve.eplb.placement import ExpertPlacement
 from moeserve.layers.moe import MoEOptions
@@ -28,6 +30,7 @@ class ModelRunner:
         self.dtype = config.load.torch_dtype(config.model)
         self.model = self._init_model()
         self._init_kv_cache()
+        self.graph_runner = self._init_cuda_graphs()
 
     def _init_model(self) -> DeepseekForCausalLM:
         load, cfg, par = self.config.load, self.config.model, self.config.parallel
@@ -42,7 +45,18 @@ class ModelRunner:
             if load.model_path is None:
                 raise ValueError("model_path is required unless load_format is 'dummy'")
             load_checkpoint(model, load.model_path, self.config.model)
+        if self.fp8_weights:
+            model.quantize_fp8_()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the bf16 weights just freed
         return model.eval()
+
+    @property
+    def fp8_weights(self) -> bool:
+        """FP8 when asked, or when the checkpoint is FP8 and the device has FP8 matmuls."""
+        load = self.config.load
+        fp8_checkpoint = self.config.model.fp8_block is not None and load.load_format != "dummy"
+        return load.quantization == "fp8" or (fp8_checkpoint and self.device.type == "cuda")
 
     def _init_kv_cache(self) -> None:
         model_cfg, cache_cfg = self.config.model, self.config.cache
@@ -56,6 +70,14 @@ class ModelRunner:
         self.max_total_tokens = self.page_pool.capacity * page_size
         logger.info("KV cache: %d tokens in %d pages of %d", self.max_total_tokens, self.page_pool.capacity, page_size)
 
+    def _init_cuda_graphs(self) -> CudaGraphRunner | None:
+        """Decode graphs on CUDA for a single rank. With several ranks a step's shapes depend on
+        what the other DP ranks run, so those keep launching kernels one by one for now."""
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.runner.disable_cuda_graph or cfg.parallel.world_size > 1:
+            return None
+        return CudaGraphRunner(self, cfg.runner.graph_batch_sizes(cfg.scheduler.max_running_requests))
+
     def _kv_budget_bytes(self) -> int:
         cache_cfg = self.config.cache
         if self.device.type == "cuda":
@@ -64,32 +86,42 @@ class ModelRunner:
         return int(cache_cfg.cpu_kv_cache_gb * 2**30)
 
     def build_batch(self, sched: ScheduleBatch) -> ForwardBatch:
-        """Gather token ids, positions and cache slots of the scheduled sequences."""
-        page_size = self.page_pool.page_size
-        offsets = torch.arange(page_size)
-        input_ids, out_loc, kv_indices, kv_lens = [], [], [], []
-        for seq in sched.seqs:
-            pages = torch.tensor(seq.req.page_table, dtype=torch.int64)
-            slots = (pages[:, None] * page_size + offsets).flatten()[:seq.end]
-            input_ids.extend(seq.req.fill_ids[seq.start:seq.end])
-            out_loc.append(slots[seq.start:])
-            kv_indices.append(slots)
-            kv_lens.append(seq.end)
-        prefix = [s.start for s in sched.seqs]
-        extend = [s.end - s.start for s in sched.seqs]
-        positions = torch.cat([torch.arange(s.start, s.end) for s in sched.seqs]) if sched.seqs else offsets[:0]
+        """Gather token ids, positions and cache slots of the scheduled sequences (vectorized in
+        numpy: a decode step of hundreds of long sequences must not cost milliseconds of Python)."""
+        seqs, page_size = sched.seqs, self.page_pool.page_size
+        starts = np.array([s.start for s in seqs], dtype=np.int64)
+        ends = np.array([s.end for s in seqs], dtype=np.int64)
+        pages, tok = self._seq_pages(seqs, ends)  # slot of each token of every context, its index
+        keep = tok < np.repeat(ends, -(-ends // page_size) * page_size)
+        owner = np.repeat(np.arange(len(seqs)), -(-ends // page_size) * page_size)
+        slots = pages[keep]  # [sum(end)] the contexts back to back
+        new = tok[keep] >= starts[owner[keep]]
+        input_ids = [i for s in seqs for i in s.req.fill_slice(s.start, s.end)]
+        positions = tok[keep][new]
         dev = self.device
+        as_dev = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
         return ForwardBatch(
             mode=sched.mode,
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=positions.to(dev),
-            out_cache_loc=_cat(out_loc).to(dev),
-            prefix_lens=torch.tensor(prefix, dtype=torch.int64, device=dev),
-            extend_lens=torch.tensor(extend, dtype=torch.int64, device=dev),
-            kv_indptr=torch.tensor([0] + kv_lens, dtype=torch.int64).cumsum(0).to(dev),
-            kv_indices=_cat(kv_indices).to(dev),
-            prefix_lens_cpu=prefix, extend_lens_cpu=extend, kv_pool=self.kv_pool,
+            positions=as_dev(positions), out_cache_loc=as_dev(slots[new]),
+            prefix_lens=as_dev(starts), extend_lens=as_dev(ends - starts),
+            kv_indptr=as_dev(np.concatenate([[0], np.cumsum(ends)])), kv_indices=as_dev(slots),
+            prefix_lens_cpu=starts.tolist(), extend_lens_cpu=(ends - starts).tolist(), kv_pool=self.kv_pool,
         )
+
+    def _seq_pages(self, seqs: list, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every slot of the pages covering each sequence's first ``end`` tokens, and the token
+        index inside its sequence that each slot stands for."""
+        page_size = self.page_pool.page_size
+        n_pages = -(-ends // page_size)
+        tables = [np.asarray(s.req.page_table[:n], dtype=np.int64) for s, n in zip(seqs, n_pages.tolist())]
+        table = np.concatenate(tables) if tables else np.zeros(0, dtype=np.int64)
+        offsets = np.arange(page_size, dtype=np.int64)
+        slots = (table[:, None] * page_size + offsets).ravel()
+        first_page = np.repeat(np.cumsum(n_pages) - n_pages, n_pages)  # each page's sequence start
+        page_in_seq = np.arange(len(table)) - first_page
+        tok = (page_in_seq[:, None] * page_size + offsets).ravel()
+        return slots, tok
 
     @torch.inference_mode()
     def forward(self, sched: ScheduleBatch | None, all_logits: bool = False, dp: DPInfo | None = None) -> torch.Tensor:
@@ -97,14 +129,12 @@ class ModelRunner:
         ``all_logits``). ``sched=None`` runs an idle batch: no tokens, but every collective."""
         batch = self.build_batch(sched or ScheduleBatch(ForwardMode.IDLE, []))
         batch.dp = dp
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         hidden = self.model(batch)
         if not all_logits:
             hidden = hidden[batch.last_token_index()]
         return self.model.compute_logits(hidden, batch)
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.distributed.groups import Group
+from moeserve.kernels import fp8
 
 # where one checkpoint tensor goes: (parameter, index into it, index into the checkpoint tensor)
 Slot = tuple[torch.Tensor, tuple, tuple]
@@ -30,14 +31,39 @@ def shard_range(total: int, group: Group) -> slice:
     return slice(group.rank * size, (group.rank + 1) * size)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K]`` times an FP8 ``weight [N, K]`` with 128x128 block scales ``scale_inv``;
+    the activations are quantized per 1x128 group on the way in (DeepSeek-V3's w8a8 scheme).
+    Returns ``[..., N]`` in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_fp8, x_scale = fp8.per_token_group_quant_fp8(rows, fp8.FP8_BLOCK)
+    out = fp8.fp8_block_gemm(x_fp8, x_scale, weight, scale_inv, out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class Linear(nn.Module):
+    """``y = x W^T + b``. After ``quantize_fp8_`` the weight is FP8 e4m3 with a
+    ``weight_scale_inv`` per 128x128 block, and the matmul runs in FP8."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = frozen(out_features, in_features)
         self.bias = frozen(out_features) if bias else None
+        self.weight_scale_inv: nn.Parameter | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale_inv is not None:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def quantize_fp8_(self) -> None:
+        """Replace the loaded weight by its FP8 block quantization (frees the original)."""
+        w_fp8, scale_inv = fp8.block_quant_fp8(self.weight.data, (fp8.FP8_BLOCK, fp8.FP8_BLOCK))
+        self.weight = nn.Parameter(w_fp8, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
 
 
 class ColumnParallelLinear(Linear):

@@ -11,6 +11,7 @@ from moeserve.config import ModelConfig
 from moeserve.distributed.dispatcher import Dispatcher, MaskedDispatchOutput, RecvTokens, make_dispatcher
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.eplb.placement import ExpertPlacement
+from moeserve.kernels import fp8
 from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.grouped_gemm import grouped_gemm_contiguous, grouped_gemm_masked
 from moeserve.layers.gate import Gate
@@ -29,6 +30,9 @@ class Experts(nn.Module):
         self.num_experts, self.intermediate_size = len(logical_ids), intermediate_size
         self.w13 = frozen(self.num_experts, 2 * intermediate_size, hidden_size)
         self.w2 = frozen(self.num_experts, hidden_size, intermediate_size)
+        # set by quantize_fp8_: per-expert 128x128 block scales [E, N/128, K/128]
+        self.w13_scale_inv: nn.Parameter | None = None
+        self.w2_scale_inv: nn.Parameter | None = None
 
     def checkpoint_slots(self) -> dict[str, list[Slot]]:
         inter = self.intermediate_size
@@ -46,11 +50,27 @@ class Experts(nn.Module):
         """Output in the input's layout: contiguous ``hidden [M, D] -> [M, D]`` (padding rows
         stay zero) or masked ``hidden [E, M_max, D] -> [E, M_max, D]`` (rows at or past
         ``masked_m[e]`` zero). ``E`` is this module's expert count (the local experts under EP)."""
+        h = self._gemm(recv, recv.hidden, self.w13, self.w13_scale_inv)  # [..., 2I]
+        return self._gemm(recv, silu_and_mul(h), self.w2, self.w2_scale_inv)
+
+    def _gemm(self, recv: RecvTokens, x: torch.Tensor, w: torch.Tensor,
+              w_scale: torch.Tensor | None) -> torch.Tensor:
+        fp8_args = {}
+        if w_scale is not None:  # FP8 weights: quantize the activations per 1x128 group
+            x_fp8, x_scale = fp8.per_token_group_quant_fp8(x, fp8.FP8_BLOCK)
+            x, fp8_args = x_fp8, {"x_scale": x_scale, "w_scale": w_scale, "out_dtype": x.dtype}
         if isinstance(recv, MaskedDispatchOutput):
-            h = grouped_gemm_masked(recv.hidden, self.w13, recv.masked_m)  # [E, M_max, 2I]
-            return grouped_gemm_masked(silu_and_mul(h), self.w2, recv.masked_m)
-        h = grouped_gemm_contiguous(recv.hidden, self.w13, recv.seg_indptr)  # [M, 2I]
-        return grouped_gemm_contiguous(silu_and_mul(h), self.w2, recv.seg_indptr)
+            return grouped_gemm_masked(x, w, recv.masked_m, **fp8_args)
+        return grouped_gemm_contiguous(x, w, recv.seg_indptr, **fp8_args)
+
+    def quantize_fp8_(self) -> None:
+        """Replace the loaded weights by their FP8 block quantization, one expert at a time
+        (quantizing all at once would need an fp32 copy of the whole stack)."""
+        for name in ("w13", "w2"):
+            weights = getattr(self, name).data
+            parts = [fp8.block_quant_fp8(w, (fp8.FP8_BLOCK, fp8.FP8_BLOCK)) for w in weights]
+            setattr(self, name, nn.Parameter(torch.stack([q for q, _ in parts]), requires_grad=False))
+            setattr(self, f"{name}_scale_inv", nn.Parameter(torch.stack([s for _, s in parts]), requires_grad=False))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from moeserve.distributed.layout import TokenLayout
 from moeserve.layers.embedding import Embedding, LMHead
 from moeserve.layers.mla import MLA, MLAInputs
 from moeserve.layers.mlp import MLP
-from moeserve.layers.moe import MoE, MoEOptions
+from moeserve.layers.linear import Linear
+from moeserve.layers.moe import Experts, MoE, MoEOptions
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 
@@ -140,6 +141,14 @@ class DeepseekForCausalLM(nn.Module):
             if groups.lm_head.size > 1:
                 raise ValueError("tied word embeddings with a vocab-parallel LM head are not supported")
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def quantize_fp8_(self) -> None:
+        """FP8 (128x128 block scales) for every projection and routed expert. Kept in the model
+        dtype: embeddings, LM head, router, norms, and ``kv_b_proj``, whose halves absorbed MLA
+        folds into the queries and outputs."""
+        for name, module in self.named_modules():
+            if isinstance(module, (Linear, Experts)) and not name.endswith("kv_b_proj"):
+                module.quantize_fp8_()
 
     def begin(self, batch: ForwardBatch) -> LayerState:
         """Embed this rank's scattered share of the batch; rope angles for the whole DP batch."""
