@@ -112,6 +112,34 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+
+def preset_config(name: str, num_layers: int | None = None, num_dense_layers: int | None = None,
+                  fp8_checkpoint: bool = False) -> ModelConfig:
+    """A released architecture as a ``ModelConfig``, without its checkpoint (plans, benchmarks).
+
+    ``num_layers`` keeps the per-layer shapes and stacks fewer layers; of them
+    ``num_dense_layers`` are dense (default: the released share of dense layers, at least one
+    when the preset has any: DeepSeek-V3's 3 of 61 give 1 of 4). ``fp8_checkpoint`` keeps the
+    released FP8 ``quantization_config``; without it the config describes a bf16 checkpoint, so
+    random weights are not taken for FP8 ones.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"preset {name!r} is unknown; expected one of {sorted(PRESETS)}")
+    hf = dict(PRESETS[name])
+    total, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 0)
+    layers = total if num_layers is None else num_layers
+    if layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {layers}")
+    if num_dense_layers is None:
+        num_dense_layers = min(max(1, round(dense * layers / total)), dense)
+    if not 0 <= num_dense_layers <= layers:
+        raise ValueError(f"num_dense_layers must be in [0, {layers}], got {num_dense_layers}")
+    hf.update(num_hidden_layers=layers, first_k_dense_replace=num_dense_layers)
+    if not fp8_checkpoint:
+        hf.pop("quantization_config", None)
+    return ModelConfig.from_dict(hf)
+
+
 # The reference deployment's workloads: prefill 16,384 tokens per device at 4,096-token inputs;
 # decode 256 running sequences per device with a 2,000-token KV.
 REFERENCE_WORKLOAD = {"prefill": (16384, 4096), "decode": (256, 2000)}

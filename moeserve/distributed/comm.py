@@ -23,9 +23,9 @@ def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: Group) -> None:
 
 def all_gather_tokens(x: torch.Tensor, group: Group, counts: list[int]) -> torch.Tensor:
     """Concatenate every group rank's ``x [counts[i], ...]`` in rank order -> ``[sum(counts), ...]``."""
-    if group.size == 1:
-        return x
     pad = max(counts)
+    if group.size == 1 or pad == 0:  # every rank knows the counts, so all skip an empty collective together
+        return x
     buf = x.new_empty((group.size * pad, *x.shape[1:]))
     all_gather_flat(buf, _pad_rows(x, pad), group)
     return torch.cat([buf[i * pad:i * pad + n] for i, n in enumerate(counts)])
@@ -33,9 +33,9 @@ def all_gather_tokens(x: torch.Tensor, group: Group, counts: list[int]) -> torch
 
 def reduce_scatter_tokens(x: torch.Tensor, group: Group, counts: list[int]) -> torch.Tensor:
     """Sum ``x [sum(counts), ...]`` over the group and keep this rank's rows ``[counts[rank], ...]``."""
-    if group.size == 1:
-        return x
     pad = max(counts)
+    if group.size == 1 or pad == 0:
+        return x
     parts, start = [], 0
     for n in counts:
         parts.append(_pad_rows(x[start:start + n], pad))
@@ -52,9 +52,11 @@ def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def all_gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """``x [N, d]`` on every rank -> ``[N, d * size]`` (vocab shards side by side)."""
+    """``x [N, d]`` on every rank (the same ``N``) -> ``[N, d * size]`` (vocab shards side by side)."""
     if group.size == 1:
         return x
+    if x.shape[0] == 0:
+        return x.new_empty((0, x.shape[1] * group.size))
     buf = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
     all_gather_flat(buf, x, group)
     return torch.cat(buf.chunk(group.size), dim=-1)

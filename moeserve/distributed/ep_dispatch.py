@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve.distributed.dispatcher import DispatchOutput, Dispatcher, MaskedDispatchOutput
+from moeserve.distributed.dispatcher import Dispatcher, DispatchOutput, MaskedDispatchOutput
 from moeserve.distributed.groups import Group
 
 

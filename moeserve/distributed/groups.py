@@ -7,9 +7,17 @@ ranks; expert parallelism over the whole world.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+
+# NVLink multicast (NVLS) buys nothing for these collectives (all-to-alls, gathers, small
+# reductions) and costs memory; off, NCCL, torch and NVSHMEM never create multicast objects,
+# which need fabric support that not every host has working. Set in each rank process, only
+# where the launcher left them unset.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass
@@ -55,6 +63,18 @@ class ParallelGroups:
     @property
     def dp_size(self) -> int:
         return self.world.size // self.attn_tp.size
+
+
+def init_world(init_method: str, rank: int, world_size: int, device: str, local_rank: int = 0) -> None:
+    """Join the default process group from a rank process: NCCL on ``device="cuda"`` (bound to GPU
+    ``local_rank``), gloo otherwise. Call it before anything else touches CUDA or NCCL."""
+    if device != "cuda":
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        return
+    for name, value in MULTICAST_OFF.items():  # read when NCCL and CUDA first start in this process
+        os.environ.setdefault(name, value)
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size)
 
 
 def single() -> ParallelGroups:

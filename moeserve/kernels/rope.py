@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.kernels.backend import use_triton
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
     """Rotate ``x [T, H, R]`` by ``cos, sin [T, R/2]`` (one angle per pair of dimensions).
@@ -12,6 +14,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     writes the result de-interleaved (``[evens | odds]``); queries and keys get the same layout,
     so their dot products are unchanged. ``interleave=False`` pairs ``(i, i + R/2)``.
     """
+    if use_triton(x):
+        from moeserve.kernels.triton import rope as triton_rope
+
+        return triton_rope.apply_rope(x, cos, sin, interleave)
+    return apply_rope_ref(x, cos, sin, interleave)
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """The torch version of ``apply_rope``."""
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.kernels.backend import use_triton
+
 
 def select_experts(
     logits: torch.Tensor,
@@ -21,6 +23,26 @@ def select_experts(
     weights; groups ranked by the sum of their two best biased scores), ``greedy`` (V2-Lite:
     softmax, plain top-k), ``group_limited_greedy`` (V2: softmax, groups ranked by their best score).
     """
+    if use_triton(logits):
+        from moeserve.kernels.triton import routing as triton_routing
+
+        return triton_routing.select_experts(logits, top_k, method, n_group, topk_group, correction_bias,
+                                             norm_topk_prob, routed_scaling_factor)
+    return select_experts_ref(logits, top_k, method, n_group, topk_group, correction_bias,
+                              norm_topk_prob, routed_scaling_factor)
+
+
+def select_experts_ref(
+    logits: torch.Tensor,
+    top_k: int,
+    method: str,
+    n_group: int = 1,
+    topk_group: int = 1,
+    correction_bias: torch.Tensor | None = None,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch version of ``select_experts``."""
     if method == "noaux_tc":
         scores = logits.sigmoid()
         choice = scores + correction_bias if correction_bias is not None else scores

@@ -9,6 +9,7 @@ has nothing, so the MoE all-to-alls and TP gathers never wait on an absent peer.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -21,9 +22,9 @@ import torch.distributed as dist
 import zmq
 
 from moeserve.config import EngineConfig
-from moeserve.core import DPInfo, ForwardMode, Req, ScheduleBatch
+from moeserve.core import DPInfo, Req, ScheduleBatch
 from moeserve.distributed.comm import all_gather_flat, scatter_sizes
-from moeserve.distributed.groups import ParallelGroups, build_groups
+from moeserve.distributed.groups import ParallelGroups, build_groups, init_world
 from moeserve.distributed.groups import single as single_groups
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.executor.sampler import SampleOutput
@@ -211,6 +212,10 @@ def run_rank(config: EngineConfig, rank: int, addrs: RankAddresses, ready: Conne
     ready.send(("ready", {"max_total_tokens": loop.runner.max_total_tokens}))
     ready.close()
     loop.run()
+    # a CUDA graph that captured NCCL kernels holds its communicator open: free the graphs (the
+    # model runner's) before the process group, or tearing NCCL down waits for them forever
+    del loop
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -219,12 +224,10 @@ def _init_distributed(config: EngineConfig, rank: int, addrs: RankAddresses) -> 
     par = config.parallel
     if par.world_size == 1:
         return single_groups()
-    cuda = config.load.device == "cuda"
-    if not cuda:  # ranks sharing the cores: more threads than cores makes every collective wait
+    device = config.load.device
+    if device != "cuda":  # ranks sharing the cores: more threads than cores makes every collective wait
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.ranks_per_node))
-    if cuda:
-        torch.cuda.set_device(rank % par.ranks_per_node)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{addrs.dist_init}",
-                            rank=rank, world_size=par.world_size)
+    # NCCL for the device tensors; build_groups adds gloo twins for the host-side agreement
+    init_world(f"tcp://{addrs.dist_init}", rank, par.world_size, device, local_rank=rank % par.ranks_per_node)
     return build_groups(par.world_size, rank, par.attn_tp_size, par.dense_tp_size, par.ep_world,
                         par.enable_dp_lm_head)

@@ -22,6 +22,10 @@ def _add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -
     p.add_argument("--chunked-prefill-size", type=int, default=8192, help="prefill tokens per step; <= 0 disables")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="keep weights in FP8 with 128x128 block scales (a bf16 checkpoint is quantized at load)")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed from a CUDA graph")
     par = p.add_argument_group("parallelism")
     par.add_argument("--tp-size", type=int, default=1, help="ranks (processes / GPUs) in all")
     par.add_argument("--dp-size", type=int, default=1, help="data-parallel attention groups")
@@ -41,6 +45,7 @@ def _add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -
 
 _ENGINE_KEYS = ("tokenizer_path", "device", "dtype", "load_format", "page_size", "max_total_tokens",
                 "mem_fraction_static", "chunked_prefill_size", "max_running_requests", "context_length",
+                "quantization", "disable_cuda_graph", "cuda_graph_max_bs",
                 "tp_size", "dp_size", "enable_dp_attention", "ep_size", "moe_a2a_backend", "deepep_mode",
                 "moe_dense_tp_size", "enable_dp_lm_head", "ep_num_redundant_experts",
                 "max_dispatch_tokens_per_rank", "nnodes", "node_rank", "dist_init_addr", "load_balance_method")
@@ -93,6 +98,32 @@ def cmd_bench_serving(args: argparse.Namespace) -> int:
     return 0 if summary.get("completed", 0) > 0 else 1
 
 
+def cmd_bench_one_batch(args: argparse.Namespace) -> int:
+    from moeserve.bench.one_batch import run_one_batch_benchmark
+
+    return run_one_batch_benchmark(args)
+
+
+def cmd_bench_compare_hf(args: argparse.Namespace) -> int:
+    from moeserve.bench.compare_hf import run_compare_hf
+
+    return run_compare_hf(args)
+
+
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from moeserve.bench.kernels import run_kernel_benchmarks
+
+    print(run_kernel_benchmarks(args.only, args.json))
+    return 0
+
+
+def cmd_bench_dispatch(args: argparse.Namespace) -> int:
+    from moeserve.bench.dispatch import run_dispatch_benchmark
+
+    print(run_dispatch_benchmark(args))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from moeserve.server.demo import run_demo
 
@@ -139,6 +170,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serving_args(bench_serving)
     bench_serving.set_defaults(func=cmd_bench_serving)
+    one_batch = bench.add_parser("one-batch", help="prefill and decode of one batch straight on the engine")
+    from moeserve.bench.one_batch import add_one_batch_args
+
+    add_one_batch_args(one_batch)
+    one_batch.set_defaults(func=cmd_bench_one_batch)
+    compare_hf = bench.add_parser("compare-hf", help="moeserve beside transformers on the same weights and device")
+    from moeserve.bench.compare_hf import add_compare_hf_args
+
+    add_compare_hf_args(compare_hf)
+    compare_hf.set_defaults(func=cmd_bench_compare_hf)
+    kernels = bench.add_parser("kernels", help="kernel microbenchmarks against the measured copy and matmul ceilings")
+    kernels.add_argument("--only", default=None, help="run the cases whose name contains this")
+    kernels.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    kernels.set_defaults(func=cmd_bench_kernels)
+    dispatch = bench.add_parser("dispatch", help="EP dispatch/combine bandwidth and latency over several GPUs")
+    from moeserve.bench.dispatch import add_dispatch_args
+
+    add_dispatch_args(dispatch)
+    dispatch.set_defaults(func=cmd_bench_dispatch)
 
     plan = sub.add_parser("plan", help="per-rank memory of a deployment layout; the memory-optimal dense TP")
     from moeserve.planner import add_plan_args, run_plan

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from moeserve.models.tiny import make_tiny_model
 from moeserve.server.cli import main
 
 
@@ -24,3 +25,29 @@ def test_generate_reports_bad_input_without_a_traceback(tmp_path, capsys):
     assert "max_tokens" in capsys.readouterr().err
     assert main(["generate", "--model-path", str(tmp_path / "nowhere"), "--prompt", "Hi"]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_runner_and_quantization_flags_reach_the_engine_config(tmp_path):
+    from moeserve.config import build_engine_config
+    from moeserve.server.cli import build_parser, engine_settings
+
+    out = make_tiny_model(str(tmp_path / "m"))
+    for command in ("generate", "serve"):
+        args = build_parser().parse_args([command, "--model-path", out, "--quantization", "fp8",
+                                          "--disable-cuda-graph", "--cuda-graph-max-bs", "48"])
+        cfg = build_engine_config(args.model_path, **engine_settings(args))
+        assert cfg.load.quantization == "fp8"
+        assert cfg.runner.disable_cuda_graph and cfg.runner.cuda_graph_max_bs == 48
+    args = build_parser().parse_args(["generate", "--model-path", out])
+    cfg = build_engine_config(args.model_path, **engine_settings(args))
+    assert cfg.load.quantization is None and not cfg.runner.disable_cuda_graph and cfg.runner.cuda_graph_max_bs == 256
+
+
+def test_bench_subcommands_are_wired():
+    from moeserve.server.cli import build_parser, cmd_bench_compare_hf, cmd_bench_one_batch
+
+    one = build_parser().parse_args(["bench", "one-batch", "--preset", "dsv3", "--num-layers", "4",
+                                     "--batch-size", "32", "128", "--quantization", "fp8"])
+    assert one.func is cmd_bench_one_batch and one.batch_size == [32, 128] and one.quantization == "fp8"
+    cmp = build_parser().parse_args(["bench", "compare-hf"])
+    assert cmp.func is cmd_bench_compare_hf and (cmp.preset, cmp.num_layers) == ("dsv3", 4)
