@@ -5,11 +5,16 @@
 - absorbed (decode): ``W_UK`` is folded into the query, so each query attends straight over the
   paged latent cache (``kv_lora_rank`` latent + ``qk_rope_head_dim`` rope key per token) and the
   output stays in latent space until ``W_UV`` is applied.
+
+``extend_attention`` and ``mla_decode`` hand CUDA tensors to their Triton twins in
+``kernels/triton/mla.py``; ``extend_attention_ref`` and ``mla_decode_ref`` are the torch versions.
 """
 
 from __future__ import annotations
 
 import torch
+
+from moeserve.kernels.backend import use_triton
 
 
 def extend_attention(
@@ -24,8 +29,25 @@ def extend_attention(
 
     ``q [T, H, Dqk]`` holds the new tokens of all sequences back to back; ``k [S, H, Dqk]`` and
     ``v [S, H, Dv]`` hold each sequence's whole context (prefix then new tokens) back to back.
-    Returns ``[T, H, Dv]``.
+    New token ``i`` of a sequence sits at position ``prefix_len + i`` and sees keys
+    ``0 .. prefix_len + i``. Returns ``[T, H, Dv]``.
     """
+    if use_triton(q):
+        from moeserve.kernels.triton import mla as triton_mla
+
+        return triton_mla.extend_attention(q, k, v, extend_lens, prefix_lens, scale)
+    return extend_attention_ref(q, k, v, extend_lens, prefix_lens, scale)
+
+
+def extend_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    extend_lens: list[int],
+    prefix_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Torch version of ``extend_attention``: one sequence at a time, softmax in fp32."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     q_start = kv_start = 0
     for n_new, n_prefix in zip(extend_lens, prefix_lens):
@@ -55,8 +77,25 @@ def mla_decode(
 
     ``q_latent [B, H, L]`` (query nope part already multiplied by ``W_UK``), ``q_rope [B, H, R]``,
     ``kv_cache [slots, L + R]`` (latent then rope key), sequence ``b`` reading the slots
-    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``. Returns ``[B, H, L]`` in latent space.
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``. Returns ``[B, H, L]`` in latent space; a
+    sequence with no tokens gets zeros.
     """
+    if use_triton(q_latent):
+        from moeserve.kernels.triton import mla as triton_mla
+
+        return triton_mla.mla_decode(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale)
+    return mla_decode_ref(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale)
+
+
+def mla_decode_ref(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Torch version of ``mla_decode``: one sequence at a time, softmax in fp32."""
     latent_dim = q_latent.shape[-1]
     out = q_latent.new_empty(q_latent.shape)
     bounds = kv_indptr.tolist()

@@ -1,0 +1,475 @@
+"""Triton MLA attention: absorbed decode over the paged latent cache, expanded varlen prefill.
+
+Decode (``mla_decode``) splits each sequence's context into ``num_kv_splits`` chunks. Stage 1
+runs one program per (head block, sequence, split): it gathers the chunk's cache rows through
+``kv_indices``, scores them against the absorbed query (latent and rope parts as two dots) and
+reuses the same latent tile as the values, with an online softmax in fp32 and base 2. Each
+split writes a normalised partial output and its log-sum-exp; stage 2 merges the splits. The
+chunk bounds are computed in the kernel from ``kv_indptr``, so a call never syncs with the host
+and can be captured in a CUDA graph.
+
+Prefill (``extend_attention``) is a flash-attention forward over sequences packed back to back,
+causal with a cached prefix: new token ``i`` of a sequence sees keys ``0 .. prefix_len + i``.
+Key blocks wholly below the diagonal run without masks; only the blocks on it are masked, and
+blocks above it are never visited. A qk head dim that is not a power of two (DeepSeek's
+192 = 128 nope + 64 rope) is loaded and multiplied as two power-of-two parts.
+
+Head dims that are not powers of two (or are below the 16 that ``tl.dot`` needs) are padded to
+one in the tiles and masked; DeepSeek's dims (512 + 64 latent, 128 + 64 qk, 128 v) need none.
+Launch parameters come from small heuristics below; each wrapper takes a keyword-only
+``config`` dict that overrides them (the tuning sweep in ``bench/kernel_cases/mla.py`` uses it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+DECODE_CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "num_kv_splits", "LAZY_RESCALE"})
+EXTEND_CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"})
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_MAX_GRID_YZ = 65535
+_RESCALE_LOG2 = tl.constexpr(8.0)  # lazy rescale: tolerated growth of the running max, log2
+
+
+# --------------------------------------------------------------------------------------------
+# decode
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_latent, q_rope, kv_cache, kv_indptr, kv_indices, out, lse,
+    num_heads, num_splits, qk_scale,
+    stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_kv,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (head block, sequence, split): softmax-weighted latent over the split's tokens.
+
+    ``out`` is ``[B, H, splits, L]`` fp32 with ``lse [B, H, splits]`` (log2 domain), or, with
+    ``SINGLE_SPLIT``, the final ``[B, H, L]`` output (``lse`` unused).
+    """
+    head_block = tl.program_id(0)  # fastest: the head blocks of one split read the same rows
+    seq = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    l_ok = offs_l < LATENT  # all true unless the latent dim is padded
+    r_ok = offs_r < ROPE
+    q_l = tl.load(q_latent + seq * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :],
+                  mask=head_ok[:, None] & l_ok[None, :], other=0.0)  # [BLOCK_H, L]
+    q_r = tl.load(q_rope + seq * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
+                  mask=head_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_H, R]
+
+    kv_start = tl.load(kv_indptr + seq).to(tl.int64)
+    seq_len = (tl.load(kv_indptr + seq + 1) - kv_start).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # whole blocks per split
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    for n in tl.range(lo, hi, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        tok_ok = offs_n < hi
+        slots = tl.load(kv_indices + kv_start + offs_n, mask=tok_ok, other=0).to(tl.int64)
+        rows = kv_cache + slots[:, None] * stride_kv
+        # [BLOCK_N, L] latent rows, the keys' first part and the values both
+        latent = tl.load(rows + offs_l[None, :], mask=tok_ok[:, None] & l_ok[None, :], other=0.0)
+        rope = tl.load(rows + LATENT + offs_r[None, :], mask=tok_ok[:, None] & r_ok[None, :], other=0.0)
+        qk = tl.dot(q_l, tl.trans(latent), input_precision=DOT_PRECISION)
+        qk = tl.dot(q_r, tl.trans(rope), qk, input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # log2 domain; qk_scale > 0
+        alpha = tl.exp2(m_i - m_new)
+        if LAZY_RESCALE:
+            # rescale the [BLOCK_H, L] accumulator only when some row's max grew by more than
+            # 2^_RESCALE_LOG2; until then p may reach that factor, harmless in fp32 and bf16
+            if tl.max(m_new - m_i, 0) > _RESCALE_LOG2:
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+        else:
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(qk * qk_scale - m_i[:, None])  # one FMA per score
+        l_i += tl.sum(p, 1)
+        acc = tl.dot(p.to(latent.dtype), latent, acc, input_precision=DOT_PRECISION)
+
+    has_tokens = l_i > 0  # false only for an empty split
+    l_safe = tl.where(has_tokens, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_ptrs = out + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_l[None, :]
+    tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=head_ok[:, None] & l_ok[None, :])
+    if not SINGLE_SPLIT:
+        split_lse = tl.where(has_tokens, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse + seq * stride_lb + heads * stride_lh + split, split_lse, mask=head_ok)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    partial, lse, out, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    LATENT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One (head, sequence): weight each split's output by its share of the softmax mass."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_l = tl.arange(0, BLOCK_L)
+    l_ok = offs_l < LATENT
+    lse_row = lse + seq * stride_lb + head * stride_lh
+    split_lse = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    top = tl.max(split_lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: all weights 0, output 0
+    total = tl.sum(tl.exp2(split_lse - top), 0)
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    part_row = partial + seq * stride_pb + head * stride_ph
+    for s in range(num_splits):
+        weight = tl.exp2(tl.load(lse_row + s) - top)
+        acc += weight * tl.load(part_row + s * stride_ps + offs_l, mask=l_ok, other=0.0)
+    acc = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out + seq * stride_ob + head * stride_oh + offs_l, acc.to(out.dtype.element_ty), mask=l_ok)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter on CPU: any positive count
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _dot_block(dim: int) -> int:
+    """Tile width for a head dim: the next power of two, at least the 16 ``tl.dot`` needs."""
+    return max(16, triton.next_power_of_2(dim))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs (tests, debugging) get fp32 products, as torch matmuls do, rather than tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_config(batch: int, num_heads: int, row_bytes: int, device: torch.device) -> dict:
+    """Default launch parameters from static facts only (no context lengths: graph-safe);
+    ``row_bytes`` is the size of one cache row ((L + R) * element size; 1152 for DeepSeek bf16).
+
+    Wide head blocks (>= 64 heads, so Hopper's 64-row wgmma applies) are compute-bound and
+    hold a [64, L] fp32 accumulator, one program per SM: aim for ~2 waves. Narrow ones are
+    bandwidth-bound and several fit on an SM: aim for ~4 waves to keep loads in flight.
+    Wider rows (fp32, larger latents) get smaller tiles to fit registers and shared memory.
+    """
+    if row_bytes > 1152:
+        cfg = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+        waves = 4
+    elif num_heads >= 64:
+        cfg = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+        waves = 2
+    else:
+        cfg = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+        waves = 4
+    cfg["LAZY_RESCALE"] = False
+    programs = triton.cdiv(num_heads, cfg["BLOCK_H"]) * max(batch, 1)
+    cfg["num_kv_splits"] = min(32, max(1, round(waves * _num_sms(device) / programs)))
+    return cfg
+
+
+def _merge_config(default: dict, config: dict | None, allowed: frozenset) -> dict:
+    if config is None:
+        return default
+    unknown = set(config) - allowed
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return {**default, **config}
+
+
+def _check_scale(scale: float) -> None:
+    # the kernels take the running max of unscaled scores, which needs a positive scale
+    if not scale > 0:
+        raise ValueError(f"softmax scale must be positive, got {scale}")
+
+
+def _check_decode_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+    if q_latent.dim() != 3 or q_rope.dim() != 3 or q_rope.shape[:2] != q_latent.shape[:2]:
+        raise ValueError(f"q_latent [B, H, L] and q_rope [B, H, R] expected, got {tuple(q_latent.shape)} "
+                         f"and {tuple(q_rope.shape)}")
+    latent_dim, rope_dim = q_latent.shape[-1], q_rope.shape[-1]
+    if kv_cache.dim() != 2 or kv_cache.shape[1] != latent_dim + rope_dim or latent_dim == 0:
+        raise ValueError(f"kv_cache [slots, L + R] = [slots, {latent_dim + rope_dim}] with L > 0 expected, "
+                         f"got {tuple(kv_cache.shape)}")
+    if not (q_latent.dtype == q_rope.dtype == kv_cache.dtype) or q_latent.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q_latent, q_rope, kv_cache must share one of {_FLOAT_DTYPES}, got "
+                         f"{q_latent.dtype}, {q_rope.dtype}, {kv_cache.dtype}")
+    if q_latent.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q_latent, q_rope and kv_cache need a contiguous last dim")
+    if kv_indptr.shape != (q_latent.shape[0] + 1,) or kv_indices.dim() != 1:
+        raise ValueError(f"kv_indptr [B + 1] and kv_indices [total] expected, got {tuple(kv_indptr.shape)} "
+                         f"and {tuple(kv_indices.shape)}")
+    if kv_indptr.dtype not in _INDEX_DTYPES or kv_indices.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"kv_indptr/kv_indices must be int32 or int64, got {kv_indptr.dtype}, {kv_indices.dtype}")
+    if not (kv_indptr.is_contiguous() and kv_indices.is_contiguous()):
+        raise ValueError("kv_indptr and kv_indices must be contiguous")
+    if q_latent.shape[0] > _MAX_GRID_YZ:
+        raise ValueError(f"at most {_MAX_GRID_YZ} sequences per call, got {q_latent.shape[0]}")
+    devices = {t.device for t in (q_latent, q_rope, kv_cache, kv_indptr, kv_indices)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {devices}")
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA decode; the contract of ``moeserve.kernels.mla.mla_decode``.
+
+    ``q_latent [B, H, L]``, ``q_rope [B, H, R]`` (any strides, last dim contiguous),
+    ``kv_cache [slots, L + R]``, ``kv_indptr [B + 1]`` and ``kv_indices [total]`` (int32/int64,
+    on the device) -> ``[B, H, L]`` in q's dtype. ``config`` overrides ``decode_config``.
+    """
+    _check_decode_inputs(q_latent, q_rope, kv_cache, kv_indptr, kv_indices)
+    _check_scale(scale)
+    batch, num_heads, latent_dim = q_latent.shape
+    row_bytes = kv_cache.shape[1] * kv_cache.element_size()
+    cfg = _merge_config(decode_config(batch, num_heads, row_bytes, q_latent.device), config, DECODE_CONFIG_KEYS)
+    out = q_latent.new_empty(batch, num_heads, latent_dim)
+    if batch == 0 or num_heads == 0:
+        return out
+    splits = cfg["num_kv_splits"]
+    if splits == 1:  # stage 1 writes the final output; nothing to merge
+        _decode_splits(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, cfg, out, (*out.stride()[:2], 0),
+                       out, (0, 0))
+        return out
+    partial = torch.empty(batch, num_heads, splits, latent_dim, dtype=torch.float32, device=out.device)
+    lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=out.device)
+    _decode_splits(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, cfg, partial, partial.stride()[:3],
+                   lse, lse.stride()[:2])
+    _mla_decode_merge_kernel[(num_heads, batch)](
+        partial, lse, out, splits,
+        *partial.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
+        LATENT=latent_dim, BLOCK_L=_dot_block(latent_dim), BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+    )
+    return out
+
+
+def _decode_splits(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                   kv_indices: torch.Tensor, scale: float, cfg: dict, out: torch.Tensor, out_strides: tuple,
+                   lse: torch.Tensor, lse_strides: tuple) -> None:
+    """Stage 1 into ``out`` (``[B, H, splits, L]`` by ``out_strides``) and ``lse`` (``[B, H, splits]``)."""
+    batch, num_heads, latent_dim = q_latent.shape
+    rope_dim = q_rope.shape[-1]
+    splits = cfg["num_kv_splits"]
+    grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]), batch, splits)
+    _mla_decode_split_kernel[grid](
+        q_latent, q_rope, kv_cache, kv_indptr, kv_indices, out, lse,
+        num_heads, splits, scale * LOG2E,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), kv_cache.stride(0),
+        *out_strides, *lse_strides,
+        LATENT=latent_dim, ROPE=rope_dim, BLOCK_L=_dot_block(latent_dim), BLOCK_R=_dot_block(rope_dim),
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        SINGLE_SPLIT=splits == 1, LAZY_RESCALE=cfg["LAZY_RESCALE"], DOT_PRECISION=_dot_precision(q_latent.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# prefill
+
+
+@triton.jit
+def _attend_kv_blocks(
+    acc, l_i, m_i, q_1, q_2, k_head, v_head, stride_kt, stride_vt,
+    start, end, query_pos, qk_scale,
+    QK_DIM: tl.constexpr, V_DIM: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update over keys ``[start, end)``; ``MASKED`` applies the causal mask
+    (key <= query position) and the bound ``key < end`` (``end`` is then the context length
+    or the diagonal's end, whichever comes first)."""
+    offs_1 = tl.arange(0, D1)
+    offs_2 = D1 + tl.arange(0, D2)
+    offs_v = tl.arange(0, DV)
+    ok_1 = offs_1 < QK_DIM  # all true unless the head dims are padded
+    ok_2 = offs_2 < QK_DIM
+    ok_v = offs_v < V_DIM
+    for n in tl.range(start, end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        k_rows = k_head + offs_n.to(tl.int64)[:, None] * stride_kt
+        v_rows = v_head + offs_n.to(tl.int64)[:, None] * stride_vt
+        key_ok = offs_n < end
+        if not MASKED:  # whole block below the diagonal and inside the context
+            key_ok = tl.full([BLOCK_N], True, tl.int1)
+        k_1 = tl.load(k_rows + offs_1[None, :], mask=key_ok[:, None] & ok_1[None, :], other=0.0)
+        k_2 = tl.load(k_rows + offs_2[None, :], mask=key_ok[:, None] & ok_2[None, :], other=0.0)
+        v = tl.load(v_rows + offs_v[None, :], mask=key_ok[:, None] & ok_v[None, :], other=0.0)
+        qk = tl.dot(q_1, tl.trans(k_1), input_precision=DOT_PRECISION)
+        qk = tl.dot(q_2, tl.trans(k_2), qk, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            visible = (offs_n[None, :] <= query_pos[:, None]) & key_ok[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # log2 domain; qk_scale > 0
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _extend_attention_kernel(
+    q, k, v, out, seq_info, num_seqs, qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    QK_DIM: tl.constexpr, V_DIM: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (query block, head, sequence). ``seq_info [4, B]`` int64 rows: first query token,
+    first key token, prefix length, number of new tokens. The qk head dim is tiled as columns
+    ``[0, D1)`` and ``[D1, D1 + D2)``, the v head dim as ``[0, DV)``."""
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (last) blocks first
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    n_new = tl.load(seq_info + 3 * num_seqs + seq).to(tl.int32)
+    m0 = m_block * BLOCK_M
+    if m0 >= n_new:
+        return
+    q_start = tl.load(seq_info + seq)
+    kv_start = tl.load(seq_info + num_seqs + seq)
+    n_prefix = tl.load(seq_info + 2 * num_seqs + seq).to(tl.int32)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n_new
+    offs_1 = tl.arange(0, D1)
+    offs_2 = D1 + tl.arange(0, D2)
+    q_rows = q + (q_start + offs_m.to(tl.int64))[:, None] * stride_qt + head * stride_qh
+    q_1 = tl.load(q_rows + offs_1[None, :], mask=row_ok[:, None] & (offs_1 < QK_DIM)[None, :], other=0.0)
+    q_2 = tl.load(q_rows + offs_2[None, :], mask=row_ok[:, None] & (offs_2 < QK_DIM)[None, :], other=0.0)
+    query_pos = n_prefix + offs_m  # absolute positions; a query sees keys <= its position
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    k_head = k + kv_start * stride_kt + head * stride_kh
+    v_head = v + kv_start * stride_vt + head * stride_vh
+    # keys < n_prefix + m0 + 1 are visible to every row of the block: no mask for whole blocks there
+    full_end = (n_prefix + m0 + 1) // BLOCK_N * BLOCK_N
+    diag_end = tl.minimum(n_prefix + n_new, n_prefix + m0 + BLOCK_M)
+    acc, l_i, m_i = _attend_kv_blocks(acc, l_i, m_i, q_1, q_2, k_head, v_head, stride_kt, stride_vt,
+                                      0, full_end, query_pos, qk_scale,
+                                      QK_DIM, V_DIM, D1, D2, DV, BLOCK_N, False, DOT_PRECISION)
+    acc, l_i, m_i = _attend_kv_blocks(acc, l_i, m_i, q_1, q_2, k_head, v_head, stride_kt, stride_vt,
+                                      full_end, diag_end, query_pos, qk_scale,
+                                      QK_DIM, V_DIM, D1, D2, DV, BLOCK_N, True, DOT_PRECISION)
+    o = acc / l_i[:, None]  # l_i >= 1 for every row: key 0 is always visible
+    offs_v = tl.arange(0, DV)
+    o_rows = out + (q_start + offs_m.to(tl.int64))[:, None] * stride_ot + head * stride_oh
+    tl.store(o_rows + offs_v[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None] & (offs_v < V_DIM)[None, :])
+
+
+def split_head_dim(dim: int) -> tuple[int, int]:
+    """Tile widths ``(D1, D2)`` of the two dots a qk head dim is multiplied as, both powers of two
+    >= 16 with ``D1 + D2 >= dim``: 192 -> (128, 64), 576 -> (512, 64); a power of two is halved,
+    128 -> (64, 64); other dims are padded, 40 -> (32, 16)."""
+    if triton.next_power_of_2(dim) == dim and dim >= 32:
+        return dim // 2, dim // 2
+    d1 = max(16, triton.next_power_of_2(dim + 1) // 2)  # the largest power of two <= dim
+    return d1, _dot_block(max(dim - d1, 1))
+
+
+def extend_config(head_dim_qk: int, head_dim_v: int, element_size: int) -> dict:
+    """Default launch parameters: Hopper flash-attention forward tiles for 16-bit head dims
+    up to qk + v = 384 (DeepSeek's 192 + 128); smaller tiles beyond, and for fp32."""
+    if (head_dim_qk + head_dim_v) * element_size <= 768:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    if element_size == 4:  # fp32 products on CUDA cores (no tensor cores): keep the key tiles thin
+        return {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def _check_extend_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_lens: list[int],
+                         prefix_lens: list[int]) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q [T, H, Dqk], k [S, H, Dqk], v [S, H, Dv] expected, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2] or q.shape[1:] != k.shape[1:] or q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q, k, v must share one of {_FLOAT_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v need a contiguous last dim")
+    if len(extend_lens) != len(prefix_lens) or len(extend_lens) > _MAX_GRID_YZ:
+        raise ValueError(f"one extend and prefix length per sequence (at most {_MAX_GRID_YZ}), got "
+                         f"{len(extend_lens)} and {len(prefix_lens)}")
+    if min(extend_lens, default=0) < 0 or min(prefix_lens, default=0) < 0:
+        raise ValueError("lengths must be non-negative")
+    if sum(extend_lens) != q.shape[0] or sum(extend_lens) + sum(prefix_lens) != k.shape[0]:
+        raise ValueError(f"q holds {q.shape[0]} tokens and k {k.shape[0]}, but the lengths sum to "
+                         f"{sum(extend_lens)} new and {sum(extend_lens) + sum(prefix_lens)} in all")
+    if q.shape[1] > _MAX_GRID_YZ:
+        raise ValueError(f"at most {_MAX_GRID_YZ} heads, got {q.shape[1]}")
+
+
+def _seq_info(extend_lens: list[int], prefix_lens: list[int], device: torch.device) -> torch.Tensor:
+    """``[4, B]`` int64: first query token, first key token, prefix length, new tokens."""
+    q_starts, kv_starts, q_at, kv_at = [], [], 0, 0
+    for n_new, n_prefix in zip(extend_lens, prefix_lens):
+        q_starts.append(q_at)
+        kv_starts.append(kv_at)
+        q_at += n_new
+        kv_at += n_prefix + n_new
+    return torch.tensor([q_starts, kv_starts, list(prefix_lens), list(extend_lens)], dtype=torch.int64,
+                        device=device)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    extend_lens: list[int],
+    prefix_lens: list[int],
+    scale: float,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Varlen causal prefill with a cached prefix; the contract of
+    ``moeserve.kernels.mla.extend_attention``.
+
+    ``q [T, H, Dqk]``, ``k [S, H, Dqk]``, ``v [S, H, Dv]`` (any token/head strides, last dim
+    contiguous), host lists of per-sequence lengths -> ``[T, H, Dv]`` in q's dtype.
+    ``config`` overrides ``extend_config``.
+    """
+    _check_extend_inputs(q, k, v, extend_lens, prefix_lens)
+    _check_scale(scale)
+    num_heads, qk_dim, v_dim = q.shape[1], q.shape[-1], v.shape[-1]
+    out = q.new_empty(q.shape[0], num_heads, v_dim)
+    max_new = max(extend_lens, default=0)
+    if max_new == 0 or num_heads == 0:
+        return out
+    d1, d2 = split_head_dim(qk_dim)
+    cfg = _merge_config(extend_config(qk_dim, v_dim, q.element_size()), config, EXTEND_CONFIG_KEYS)
+    seq_info = _seq_info(extend_lens, prefix_lens, q.device)
+    grid = (triton.cdiv(max_new, cfg["BLOCK_M"]), num_heads, len(extend_lens))
+    _extend_attention_kernel[grid](
+        q, k, v, out, seq_info, len(extend_lens), scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        QK_DIM=qk_dim, V_DIM=v_dim, D1=d1, D2=d2, DV=_dot_block(v_dim), BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

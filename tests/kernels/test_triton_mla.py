@@ -1,0 +1,319 @@
+"""Triton MLA attention (absorbed decode over the paged latent cache, varlen prefill) against the
+torch references run in fp64.
+
+The ``check_*`` functions hold the comparisons. GPU tests run them in bf16 on DeepSeek-V3 head
+dims; one CPU test runs them at tiny shapes (latent 32 + rope 16, qk 32 + 16) through Triton's
+interpreter in a subprocess (``TRITON_INTERPRET`` must be set before Triton is imported; the
+interpreter's bf16 loads are unreliable, so it gets fp16 and fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeserve.kernels.mla import extend_attention_ref, mla_decode_ref
+
+REPO = Path(__file__).resolve().parents[2]
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output (an unwritten element?)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _poison(device: str) -> None:
+    """Fill cached allocator blocks with NaN bytes, so outputs the kernel fails to write show up."""
+    if device != "cuda":
+        return
+    for n in (1 << 20, 1 << 26, 1 << 28):
+        torch.full((n,), 0xFF, dtype=torch.uint8, device=device)  # 0xFF.. is NaN in every float dtype
+
+
+def _scattered_slots(lens: list[int], page_size: int, spare_pages: int = 3) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(kv_indptr [B+1], kv_indices [total], num_slots)``: each sequence on whole pages taken in
+    random order from a pool with a few pages to spare."""
+    pages = [-(-n // page_size) for n in lens]
+    order = torch.randperm(sum(pages) + spare_pages)
+    offsets = torch.arange(page_size)
+    parts, at = [], 0
+    for n, n_pages in zip(lens, pages):
+        parts.append((order[at:at + n_pages, None] * page_size + offsets).flatten()[:n])
+        at += n_pages
+    indptr = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
+    return indptr, torch.cat(parts), (sum(pages) + spare_pages) * page_size
+
+
+# --- checks (shared by the GPU tests and the interpreter run) -----------------------------------
+
+def check_mla_decode(device: str, dtype: torch.dtype, heads: int, lens: list[int], latent: int = 32, rope: int = 16,
+                     page_size: int = 4, scale: float = 0.2, index_dtype: torch.dtype = torch.int64,
+                     **config) -> None:
+    """Scattered pages; ``q_rope`` a strided view of the projected query, as in the layer."""
+    from moeserve.kernels.triton import mla
+
+    indptr, indices, num_slots = _scattered_slots(lens, page_size)
+    indptr, indices = indptr.to(device, index_dtype), indices.to(device, index_dtype)
+    cache = torch.randn(num_slots, latent + rope, device=device).to(dtype)
+    q = torch.randn(len(lens), heads, latent + rope + 8, device=device).to(dtype)
+    q_latent, q_rope = q[..., :latent], q[..., latent + 8:]
+    _poison(device)
+    out = mla.mla_decode(q_latent, q_rope, cache, indptr, indices, scale, config=config or None)
+    assert out.shape == q_latent.shape and out.dtype == dtype
+    ref = mla_decode_ref(q_latent.double(), q_rope.double(), cache.double(), indptr, indices, scale)
+    empty = torch.tensor(lens, device=device) == 0
+    assert torch.isfinite(out).all() and (out[empty] == 0).all(), "an empty sequence must give zeros"
+    assert _rel(out, ref) < REL_TOL[dtype]
+
+
+def check_extend_attention(device: str, dtype: torch.dtype, heads: int, extend_lens: list[int],
+                           prefix_lens: list[int], qk_dims: tuple[int, int] = (32, 16), v_dim: int = 32,
+                           scale: float = 0.15, **config) -> None:
+    """``q`` a view of a wider tensor, ``k`` contiguous, ``v`` a view of the kv projection, as in the layer."""
+    from moeserve.kernels.triton import mla
+
+    n_new, n_ctx = sum(extend_lens), sum(extend_lens) + sum(prefix_lens)
+    qk_dim = sum(qk_dims)
+    q = torch.randn(n_new, heads, qk_dim + 16, device=device).to(dtype)[..., :qk_dim]
+    k = torch.randn(n_ctx, heads, qk_dim, device=device).to(dtype)
+    v = torch.randn(n_ctx, heads, qk_dims[0] + v_dim, device=device).to(dtype)[..., qk_dims[0]:]
+    _poison(device)
+    out = mla.extend_attention(q, k, v, extend_lens, prefix_lens, scale, config=config or None)
+    assert out.shape == (n_new, heads, v_dim) and out.dtype == dtype
+    ref = extend_attention_ref(q.double(), k.double(), v.double(), extend_lens, prefix_lens, scale)
+    assert _rel(out, ref) < REL_TOL[dtype]
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+bf16 = torch.bfloat16
+
+
+def _random_lens(batch: int, longest: int, seed: int) -> list[int]:
+    """Random lengths with a length-1 sequence and a long one among them."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, longest, (batch,), generator=gen).tolist()
+    lens[0], lens[-1] = 1, longest
+    return lens
+
+
+@gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("config", [{}, {"num_kv_splits": 1}, {"num_kv_splits": 7}, {"num_kv_splits": 64},
+                                    {"LAZY_RESCALE": True, "num_kv_splits": 3}, {"BLOCK_H": 16, "BLOCK_N": 16}])
+def test_mla_decode_gpu(heads: int, config: dict) -> None:
+    torch.manual_seed(heads)
+    lens = _random_lens(16, 3000, heads)
+    check_mla_decode("cuda", bf16, heads, lens, latent=512, rope=64, page_size=64, scale=0.07, **config)
+
+
+@gpu
+@pytest.mark.parametrize("config", [{}, {"num_kv_splits": 40}, {"LAZY_RESCALE": True}])
+def test_mla_decode_gpu_edges(config: dict) -> None:
+    """Empty sequences, more splits than tokens, int32 indices, peaked scores (large max jumps)."""
+    torch.manual_seed(3)
+    check_mla_decode("cuda", bf16, 128, [0, 1, 2, 0, 65, 7], latent=512, rope=64, page_size=16, scale=0.07,
+                     index_dtype=torch.int32, **config)
+    check_mla_decode("cuda", bf16, 16, [0, 0], latent=512, rope=64, **config)
+    check_mla_decode("cuda", bf16, 8, [300, 1, 77], latent=512, rope=64, page_size=64, scale=0.5, **config)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [bf16, torch.float32])
+def test_small_model_dims_gpu(dtype: torch.dtype) -> None:
+    """The test models' dims (latent 32 + rope 16, qk 16 + 16, v 16, 4 heads) and padded odd ones."""
+    torch.manual_seed(2)
+    check_mla_decode("cuda", dtype, 4, [1, 30, 0, 200], latent=32, rope=16)
+    check_mla_decode("cuda", dtype, 2, [7, 100], latent=8, rope=2)
+    check_extend_attention("cuda", dtype, 4, [9, 1, 40], [0, 5, 70], qk_dims=(16, 16), v_dim=16)
+    check_extend_attention("cuda", dtype, 2, [9, 1, 40], [0, 5, 70], qk_dims=(4, 2), v_dim=4)
+
+
+@gpu
+def test_mla_decode_dispatch_and_cuda_graph() -> None:
+    """The public function routes CUDA tensors to Triton, and a captured call replays correctly
+    on new lengths and slots (no host sync inside)."""
+    from moeserve.kernels.mla import mla_decode
+
+    torch.manual_seed(5)
+    batch, heads, latent, rope, max_tokens = 4, 128, 512, 64, 1024
+    cache = torch.randn(4 * max_tokens, latent + rope, device="cuda", dtype=bf16)
+    q_latent = torch.randn(batch, heads, latent, device="cuda", dtype=bf16)
+    q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=bf16)
+    indptr = torch.zeros(batch + 1, dtype=torch.int64, device="cuda")
+    indices = torch.zeros(batch * max_tokens, dtype=torch.int64, device="cuda")
+
+    def load(lens: list[int]) -> None:
+        ptr, idx, _ = _scattered_slots(lens, 16)
+        indptr.copy_(ptr)
+        indices[:idx.numel()].copy_(idx)
+
+    load([5, 1, 300, 1000])
+    mla_decode(q_latent, q_rope, cache, indptr, indices, 0.07)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode(q_latent, q_rope, cache, indptr, indices, 0.07)
+    for lens in ([17, 900, 3, 64], [1000, 1, 1, 2]):
+        load(lens)
+        graph.replay()
+        ref = mla_decode_ref(q_latent.double(), q_rope.double(), cache.double(), indptr, indices, 0.07)
+        assert _rel(out, ref) < REL_TOL[bf16]
+
+
+@gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("config", [{}, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+                                    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 1}])
+def test_extend_attention_gpu(heads: int, config: dict) -> None:
+    torch.manual_seed(heads)
+    extend = _random_lens(12, 700, heads) + [1, 256, 129, 0]
+    prefix = torch.randint(0, 1500, (len(extend),)).tolist()
+    prefix[:3] = [0, 0, 2000]
+    check_extend_attention("cuda", bf16, heads, extend, prefix, qk_dims=(128, 64), v_dim=128, scale=0.07, **config)
+
+
+@gpu
+def test_extend_attention_dispatch() -> None:
+    from moeserve.kernels.mla import extend_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(40, 16, 192, device="cuda", dtype=bf16)
+    k = torch.randn(50, 16, 192, device="cuda", dtype=bf16)
+    v = torch.randn(50, 16, 128, device="cuda", dtype=bf16)
+    out = extend_attention(q, k, v, [30, 10], [0, 10], 0.07)
+    ref = extend_attention_ref(q.double(), k.double(), v.double(), [30, 10], [0, 10], 0.07)
+    assert _rel(out, ref) < REL_TOL[bf16]
+
+
+# --- input validation (CPU, no launch) ------------------------------------------------------------
+
+def test_wrappers_reject_bad_inputs() -> None:
+    pytest.importorskip("triton")
+    from moeserve.kernels.triton import mla
+
+    q_lat, q_rope, cache = torch.randn(2, 16, 32), torch.randn(2, 16, 16), torch.randn(64, 48)
+    indptr, indices = torch.tensor([0, 3, 5]), torch.arange(5)
+    with pytest.raises(ValueError, match="kv_cache"):
+        mla.mla_decode(q_lat, q_rope, torch.randn(64, 40), indptr, indices, 1.0)
+    with pytest.raises(ValueError, match="scale"):
+        mla.mla_decode(q_lat, q_rope, cache, indptr, indices, -1.0)
+    with pytest.raises(ValueError, match="share"):
+        mla.mla_decode(q_lat.half(), q_rope, cache, indptr, indices, 1.0)
+    with pytest.raises(ValueError, match="last dim"):
+        mla.mla_decode(q_lat.transpose(1, 2).contiguous().transpose(1, 2), q_rope, cache, indptr, indices, 1.0)
+    with pytest.raises(ValueError, match="kv_indptr"):
+        mla.mla_decode(q_lat, q_rope, cache, indptr[:2], indices, 1.0)
+    with pytest.raises(ValueError, match="config"):
+        mla.mla_decode(q_lat, q_rope, cache, indptr, indices, 1.0, config={"BLOCK_K": 16})
+
+    q, k, v = torch.randn(6, 2, 48), torch.randn(10, 2, 48), torch.randn(10, 2, 32)
+    with pytest.raises(ValueError, match="lengths sum"):
+        mla.extend_attention(q, k, v, [3, 3], [2, 1], 1.0)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        mla.extend_attention(q, k, torch.randn(9, 2, 32), [3, 3], [2, 2], 1.0)
+    with pytest.raises(ValueError, match="share"):
+        mla.extend_attention(q, k.half(), v, [3, 3], [2, 2], 1.0)
+    with pytest.raises(ValueError, match="one extend and prefix length"):
+        mla.extend_attention(q, k, v, [3, 3], [4], 1.0)
+
+
+def test_split_head_dim() -> None:
+    pytest.importorskip("triton")
+    from moeserve.kernels.triton.mla import split_head_dim
+
+    assert split_head_dim(192) == (128, 64)
+    assert split_head_dim(576) == (512, 64)
+    assert split_head_dim(128) == (64, 64)
+    assert split_head_dim(48) == (32, 16)
+    assert split_head_dim(224) == (128, 128)  # 128 + 96, padded
+    assert split_head_dim(40) == (32, 16)
+    assert split_head_dim(6) == (16, 16)
+
+
+# --- the interpreter run (CPU) --------------------------------------------------------------------
+
+f16, f32 = torch.float16, torch.float32
+TINY = {"BLOCK_H": 16, "BLOCK_N": 16}
+INTERPRETED_CHECKS = {
+    "decode_one_split": lambda: check_mla_decode("cpu", f16, 16, [1, 37, 0, 20], num_kv_splits=1, **TINY),
+    "decode_three_splits": lambda: check_mla_decode("cpu", f16, 16, [1, 37, 0, 20], num_kv_splits=3, **TINY),
+    "decode_more_splits_than_tokens": lambda: check_mla_decode("cpu", f16, 16, [1, 37, 0, 20], num_kv_splits=40,
+                                                               **TINY),
+    "decode_padded_heads_fp32": lambda: check_mla_decode("cpu", f32, 8, [5, 16, 33], index_dtype=torch.int32,
+                                                         num_kv_splits=2, **TINY),
+    "decode_peaked_scores": lambda: check_mla_decode("cpu", f32, 16, [70, 3], scale=1.5, num_kv_splits=2, **TINY),
+    "decode_lazy_rescale": lambda: check_mla_decode("cpu", f32, 16, [70, 3, 0], scale=1.5, num_kv_splits=2,
+                                                    LAZY_RESCALE=True, **TINY),
+    "decode_lazy_rescale_one_split": lambda: check_mla_decode("cpu", f16, 16, [50, 1], scale=0.6, num_kv_splits=1,
+                                                              LAZY_RESCALE=True, **TINY),
+    "decode_default_config": lambda: check_mla_decode("cpu", f16, 16, [9, 40]),
+    "decode_padded_dims": lambda: check_mla_decode("cpu", f32, 2, [9, 40, 0], latent=24, rope=8, num_kv_splits=3,
+                                                   **TINY),
+    "decode_padded_dims_one_split": lambda: check_mla_decode("cpu", f16, 3, [17, 2], latent=8, rope=2,
+                                                             num_kv_splits=1, **TINY),
+    "extend": lambda: check_extend_attention("cpu", f16, 2, [5, 17, 1, 0, 20], [0, 9, 30, 4, 0],
+                                             BLOCK_M=16, BLOCK_N=16),
+    "extend_block_m_32": lambda: check_extend_attention("cpu", f16, 2, [5, 17, 1, 0, 20], [0, 9, 30, 4, 0],
+                                                        BLOCK_M=32, BLOCK_N=16),
+    "extend_block_n_32": lambda: check_extend_attention("cpu", f32, 1, [33, 2], [15, 0], BLOCK_M=16, BLOCK_N=32),
+    "extend_pow2_qk_dim": lambda: check_extend_attention("cpu", f32, 3, [18, 6], [0, 0], qk_dims=(16, 16),
+                                                         v_dim=16, BLOCK_M=16, BLOCK_N=16),
+    "extend_padded_dims": lambda: check_extend_attention("cpu", f32, 2, [7, 20], [12, 3], qk_dims=(16, 4), v_dim=12,
+                                                         BLOCK_M=16, BLOCK_N=16),
+    "extend_tiny_dims": lambda: check_extend_attention("cpu", f16, 2, [5, 9], [0, 4], qk_dims=(4, 2), v_dim=4,
+                                                       BLOCK_M=16, BLOCK_N=16),
+}
+
+
+def _fix_interpreter_scalars() -> None:
+    """Triton 3.6's interpreter converts scalars (1-element arrays) to ints with ``int(array)``,
+    which numpy >= 2.4 refuses; loops with bounds loaded from memory need it (triton issue 9171)."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def run_interpreted_checks() -> None:
+    """Entry of the interpreter subprocess: run every check, print ``{name: "ok" | traceback}``."""
+    _fix_interpreter_scalars()
+    results = {}
+    for name, check in INTERPRETED_CHECKS.items():
+        torch.manual_seed(0)
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 -- report every failure, not just the first
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = "from tests.kernels.test_triton_mla import run_interpreted_checks; run_interpreted_checks()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(INTERPRETED_CHECKS))
+def test_interpreted(interpreted: dict[str, str], name: str) -> None:
+    assert interpreted[name] == "ok", interpreted[name]
