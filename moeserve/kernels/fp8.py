@@ -10,8 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeserve.kernels.backend import use_triton
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+# the block edge of weight scales (128x128) and the group width of activation scales (1x128)
+FP8_BLOCK = 128
 # An all-zero block would give a zero scale and 0/0 on quantization; any positive scale
 # reproduces the zeros, and this one is the same floor vLLM and SGLang use.
 SCALE_EPS = 1e-10
@@ -66,6 +70,15 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128) -> tuple[t
     ``x [..., K]`` -> ``(x_fp8 [..., K] float8_e4m3fn, scales [..., ceil(K/g)] float32)`` with
     ``x ≈ x_fp8.float() * scales`` repeated over each group; the last group may be partial.
     """
+    if use_triton(x):
+        from moeserve.kernels.triton import quant as triton_quant
+
+        return triton_quant.per_token_group_quant_fp8(x, group_size)
+    return per_token_group_quant_fp8_ref(x, group_size)
+
+
+def per_token_group_quant_fp8_ref(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch version of ``per_token_group_quant_fp8``."""
     k = x.shape[-1]
     groups = _to_groups(x.float(), group_size)  # [..., K/g, g]
     scales = groups.abs().amax(dim=-1).clamp(min=SCALE_EPS) / FP8_MAX  # [..., K/g]
@@ -112,3 +125,39 @@ def _to_groups(x: torch.Tensor, g: int) -> torch.Tensor:
 def _check_2d(t: torch.Tensor, name: str) -> None:
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D [N, K], got shape {tuple(t.shape)}")
+
+
+def fp8_block_gemm(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """DeepSeek-V3's w8a8 block-scaled linear: ``out = (x_fp8 * x_scale) @ (w_fp8 * w_scale).T``.
+
+    ``x_fp8 [M, K]`` float8_e4m3fn with ``x_scale [M, ceil(K/128)]`` fp32 (from
+    ``per_token_group_quant_fp8`` with groups of 128), ``w_fp8 [N, K]`` float8_e4m3fn with
+    ``w_scale [ceil(N/128), ceil(K/128)]`` fp32 (``block_quant_fp8``'s 128x128 blocks)
+    -> ``[M, N]`` in ``out_dtype``. Callers flatten leading dims of x first.
+    """
+    if use_triton(x_fp8):
+        from moeserve.kernels.triton import gemm as triton_gemm
+
+        return triton_gemm.fp8_block_gemm(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+    return fp8_block_gemm_ref(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+
+
+def fp8_block_gemm_ref(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Torch version of ``fp8_block_gemm``: both operands dequantized to fp32, one matmul."""
+    if x_fp8.dim() != 2 or w_fp8.dim() != 2:
+        raise ValueError(f"x_fp8 [M, K] and w_fp8 [N, K] must be 2-D, got {tuple(x_fp8.shape)}, {tuple(w_fp8.shape)}")
+    x = per_token_group_dequant_fp8(x_fp8, x_scale, FP8_BLOCK)  # [M, K] fp32
+    w = block_dequant_fp8(w_fp8, w_scale, (FP8_BLOCK, FP8_BLOCK))  # [N, K] fp32
+    return (x @ w.t()).to(out_dtype)
