@@ -35,13 +35,35 @@ def test_quantize_keeps_projections_and_experts_in_fp8(tmp_path):
     assert layer.mlp.gate.weight.dtype == torch.float32
     assert runner.model.lm_head.weight.dtype == torch.float32
 
-    plain = _runner(path)
+
+
+def test_fp8_linear_is_the_block_scaled_product():
+    from moeserve.kernels.fp8 import per_token_group_dequant_fp8, per_token_group_quant_fp8
+    from moeserve.layers.linear import Linear
+
+    gen = torch.Generator().manual_seed(0)
+    linear = Linear(300, 200, bias=True)  # partial 128-blocks both ways
+    linear.weight.data = torch.randn(200, 300, generator=gen)
+    linear.bias.data = torch.randn(200, generator=gen)
+    x = torch.randn(5, 7, 300, generator=gen)
+    plain = linear(x)
+    linear.quantize_fp8_()
+    got = linear(x)
+    x_q = per_token_group_dequant_fp8(*per_token_group_quant_fp8(x))
+    ref = x_q @ block_dequant_fp8(linear.weight, linear.weight_scale_inv).t() + linear.bias
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    assert 1e-3 < ((got - plain).norm() / plain.norm()) < 0.06  # e4m3: a few percent, not zero
+
+
+def test_fp8_logits_stay_close_on_a_trained_model():
+    # a trained model, not a random one: random tiny models amplify the e4m3 noise of one
+    # projection into tens of percent of their logits
+    quantized, plain = _runner(embedded_model_path(), quantization="fp8"), _runner(embedded_model_path())
     ids = torch.randint(2, 200, (24,), generator=torch.Generator().manual_seed(1)).tolist()
-    got = run_extend(runner, new_req(runner, ids), 0, len(ids))
+    got = run_extend(quantized, new_req(quantized, ids), 0, len(ids))
     ref = run_extend(plain, new_req(plain, ids), 0, len(ids))
     assert not torch.equal(got, ref)  # the FP8 path really ran
-    rel = (got - ref).norm() / ref.norm()
-    assert rel < 0.05, rel  # e4m3 weights and activations: a few percent at most
+    assert (got - ref).norm() / ref.norm() < 0.15
 
 
 def test_fp8_checkpoint_values_are_kept_exactly(tmp_path):
