@@ -35,8 +35,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for s in $STEPS; do
     case $s in
     tests)
+        # shellcheck disable=SC2086
         step tests "${TESTS_LIMIT:-300}" python3 -m pytest -p no:cacheprovider -q -rfE -m gpu --durations=10 \
-            tests/kernels tests/executor tests/models ;;
+            ${TEST_PATHS:-tests/kernels tests/executor tests/models} ;;
     sweep)
         for area in gemm mla elementwise; do
             step "sweep-$area" "${SWEEP_LIMIT:-200}" python3 -c \
@@ -46,9 +47,9 @@ for s in $STEPS; do
         step kernels "${KERNELS_LIMIT:-200}" python3 -m moeserve.server.cli bench kernels --json "$OUT/kernels.json" ;;
     engine)
         step compare-hf "${ENGINE_LIMIT:-420}" python3 -m moeserve.server.cli bench compare-hf \
-            --json "$OUT/compare_hf.json"
+            --cuda-graph-max-bs 128 --json "$OUT/compare_hf.json"
         step one-batch-fp8 "${FP8_LIMIT:-150}" python3 -m moeserve.server.cli bench one-batch --preset dsv3 \
-            --num-layers 4 --batch-size 32 128 --input-len 256 --output-len 16 --quantization fp8 \
+            --num-layers 4 --batch-size 32 128 --input-len 256 --output-len 16 --quantization fp8 --cuda-graph-max-bs 128 \
             --json "$OUT/one_batch_fp8.json" ;;
     *) echo "unknown step $s"; status=2 ;;
     esac

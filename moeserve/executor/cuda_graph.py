@@ -99,4 +99,4 @@ class CudaGraphRunner:
         self.kv_indptr[:n + 1].copy_(batch.kv_indptr)
         self.kv_indptr[n + 1:bs + 1] = batch.kv_indptr[n] + self.steps[1:bs - n + 1]
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return self.logits[bs][:n].clone()  # the next replay overwrites the captured output

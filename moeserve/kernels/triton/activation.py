@@ -26,9 +26,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, x_stride, BLOCK_I: tl.constexpr)
 
 
 def default_config(inter: int) -> dict:
-    """1024 columns per program: 16-byte accesses for 4 warps in bf16, and enough programs."""
-    block = min(triton.next_power_of_2(inter), 1024)
-    return {"BLOCK_I": block, "num_warps": max(1, min(4, block // 256))}
+    """2048 columns per program, 8 warps (the H200 sweep's best at 8192 tokens for I = 2048 and 18432)."""
+    block = min(triton.next_power_of_2(inter), 2048)
+    return {"BLOCK_I": block, "num_warps": max(1, min(8, block // 256))}
 
 
 def silu_and_mul(x: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:

@@ -165,7 +165,8 @@ def decode_config(batch: int, num_heads: int, row_bytes: int, device: torch.devi
     ``row_bytes`` is the size of one cache row ((L + R) * element size; 1152 for DeepSeek bf16).
 
     Wide head blocks (>= 64 heads, so Hopper's 64-row wgmma applies) are compute-bound and
-    hold a [64, L] fp32 accumulator, one program per SM: aim for ~2 waves. Narrow ones are
+    hold a [64, L] fp32 accumulator, one program per SM: aim for ~1 wave (on the H200, 128
+    sequences x 128 heads ran fastest unsplit, 4 long ones with 16 splits). Narrow ones are
     bandwidth-bound and several fit on an SM: aim for ~4 waves to keep loads in flight.
     Wider rows (fp32, larger latents) get smaller tiles to fit registers and shared memory.
     """
@@ -173,10 +174,10 @@ def decode_config(batch: int, num_heads: int, row_bytes: int, device: torch.devi
         cfg = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
         waves = 4
     elif num_heads >= 64:
-        cfg = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-        waves = 2
+        cfg = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+        waves = 1
     else:
-        cfg = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+        cfg = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
         waves = 4
     cfg["LAZY_RESCALE"] = False
     programs = triton.cdiv(num_heads, cfg["BLOCK_H"]) * max(batch, 1)
