@@ -66,6 +66,8 @@ def add_one_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=16, help="tokens per request: 1 from prefill, the rest decode")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, run one more pass under torch.profiler and print its top kernels")
 
 
 # ----------------------------------------------------------------------------------------- config
@@ -222,6 +224,20 @@ def run_pass(runner: ModelRunner, prompts: list[list[int]], output_len: int, max
     return Pass(prefill_s, steps, [r.output_ids for r in reqs])
 
 
+def profile_pass(runner: ModelRunner, prompts: list[list[int]], output_len: int, max_prefill_tokens: int,
+                 rows: int = 30) -> str:
+    """One more pass under ``torch.profiler``: its operators by self time on the device (CPU
+    time on CPU), so one sees where a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run_pass(runner, prompts, output_len, max_prefill_tokens)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+
+
 # ----------------------------------------------------------------------------------------- results
 
 
@@ -318,6 +334,9 @@ def run_one_batch_benchmark(args: argparse.Namespace) -> int:
         results.append(bench_one_batch(runner, batch_size, args.input_len, args.output_len,
                                        args.max_prefill_tokens, args.seed))
         print(format_results(config, results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+        if args.profile:
+            prompts = random_prompts(batch_size, args.input_len, config.model.vocab_size, args.seed)
+            print(profile_pass(runner, prompts, args.output_len, args.max_prefill_tokens), flush=True)
     print(format_results(config, results))
     if args.json:
         with open(args.json, "w") as f:

@@ -86,42 +86,34 @@ class ModelRunner:
         return int(cache_cfg.cpu_kv_cache_gb * 2**30)
 
     def build_batch(self, sched: ScheduleBatch) -> ForwardBatch:
-        """Gather token ids, positions and cache slots of the scheduled sequences (vectorized in
-        numpy: a decode step of hundreds of long sequences must not cost milliseconds of Python)."""
-        seqs, page_size = sched.seqs, self.page_pool.page_size
-        starts = np.array([s.start for s in seqs], dtype=np.int64)
-        ends = np.array([s.end for s in seqs], dtype=np.int64)
-        pages, tok = self._seq_pages(seqs, ends)  # slot of each token of every context, its index
-        keep = tok < np.repeat(ends, -(-ends // page_size) * page_size)
-        owner = np.repeat(np.arange(len(seqs)), -(-ends // page_size) * page_size)
-        slots = pages[keep]  # [sum(end)] the contexts back to back
-        new = tok[keep] >= starts[owner[keep]]
-        input_ids = [i for s in seqs for i in s.req.fill_slice(s.start, s.end)]
-        positions = tok[keep][new]
-        dev = self.device
-        as_dev = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
-        return ForwardBatch(
-            mode=sched.mode,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=as_dev(positions), out_cache_loc=as_dev(slots[new]),
-            prefix_lens=as_dev(starts), extend_lens=as_dev(ends - starts),
-            kv_indptr=as_dev(np.concatenate([[0], np.cumsum(ends)])), kv_indices=as_dev(slots),
-            prefix_lens_cpu=starts.tolist(), extend_lens_cpu=(ends - starts).tolist(), kv_pool=self.kv_pool,
-        )
+        """Token ids, positions and cache slots of the scheduled sequences. Only the page tables
+        cross to the device; the per-token slots are expanded there (a decode step of 128
+        sequences of 2K tokens would otherwise spend milliseconds of host time on 262K slots)."""
+        seqs, page_size, dev = sched.seqs, self.page_pool.page_size, self.device
+        starts = [s.start for s in seqs]
+        ends = [s.end for s in seqs]
+        extends = [e - b for b, e in zip(starts, ends)]
+        n_pages = [-(-e // page_size) for e in ends]
+        table = np.concatenate([np.asarray(s.req.page_table[:n], dtype=np.int64) for s, n in zip(seqs, n_pages)]
+                               or [np.zeros(0, dtype=np.int64)])
+        on_dev = lambda values: torch.tensor(values, dtype=torch.int64, device=dev)  # noqa: E731
+        input_ids = on_dev([i for s in seqs for i in s.req.fill_slice(s.start, s.end)])
+        starts_d, ends_d, extends_d = on_dev(starts), on_dev(ends), on_dev(extends)
+        kv_indptr = torch.cat([ends_d.new_zeros(1), torch.cumsum(ends_d, 0)])
+        page_indptr = on_dev([0] + n_pages).cumsum(0)
+        table_d = torch.from_numpy(table).to(dev)
 
-    def _seq_pages(self, seqs: list, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Every slot of the pages covering each sequence's first ``end`` tokens, and the token
-        index inside its sequence that each slot stands for."""
-        page_size = self.page_pool.page_size
-        n_pages = -(-ends // page_size)
-        tables = [np.asarray(s.req.page_table[:n], dtype=np.int64) for s, n in zip(seqs, n_pages.tolist())]
-        table = np.concatenate(tables) if tables else np.zeros(0, dtype=np.int64)
-        offsets = np.arange(page_size, dtype=np.int64)
-        slots = (table[:, None] * page_size + offsets).ravel()
-        first_page = np.repeat(np.cumsum(n_pages) - n_pages, n_pages)  # each page's sequence start
-        page_in_seq = np.arange(len(table)) - first_page
-        tok = (page_in_seq[:, None] * page_size + offsets).ravel()
-        return slots, tok
+        def slots_of(seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            """Cache slot of token ``pos`` of sequence ``seq`` (elementwise)."""
+            return table_d[page_indptr[seq] + pos // page_size] * page_size + pos % page_size
+
+        kv_seq, kv_pos = _ragged_positions(ends_d, sum(ends), kv_indptr, torch.zeros_like(ends_d))
+        new_seq, positions = _ragged_positions(extends_d, sum(extends), None, starts_d)
+        return ForwardBatch(
+            mode=sched.mode, input_ids=input_ids, positions=positions, out_cache_loc=slots_of(new_seq, positions),
+            prefix_lens=starts_d, extend_lens=extends_d, kv_indptr=kv_indptr, kv_indices=slots_of(kv_seq, kv_pos),
+            prefix_lens_cpu=starts, extend_lens_cpu=extends, kv_pool=self.kv_pool,
+        )
 
     @torch.inference_mode()
     def forward(self, sched: ScheduleBatch | None, all_logits: bool = False, dp: DPInfo | None = None) -> torch.Tensor:
@@ -145,3 +137,15 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+def _ragged_positions(lens: torch.Tensor, total: int, indptr: torch.Tensor | None,
+                      first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``B`` runs of ``lens [B]`` items (``total`` in all), each item's run and its position
+    ``first[run] + index in the run``; computed on the device without a host sync."""
+    runs = torch.arange(lens.shape[0], device=lens.device)
+    seq = torch.repeat_interleave(runs, lens, output_size=total)  # [total]
+    if indptr is None:
+        indptr = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
+    index = torch.arange(total, device=lens.device) - indptr[seq]
+    return seq, first[seq] + index
