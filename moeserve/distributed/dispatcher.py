@@ -102,18 +102,19 @@ class LocalDispatcher(Dispatcher):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=hidden.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # bincount would sync on CUDA
         seg_indptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-        recv = DispatchOutput(hidden[order // topk_ids.shape[1]], seg_indptr, counts)
+        recv = DispatchOutput(hidden.index_select(0, order // topk_ids.shape[1]), seg_indptr, counts)
         return recv, LocalHandle(order, topk_weights)
 
     def dispatch_b(self, pending):
         return pending
 
     def combine_a(self, expert_out, handle):
-        rows = torch.empty_like(expert_out)
-        rows[handle.order] = expert_out  # back to (token, choice) order: [T * k, D]
         n_tokens, k = handle.topk_weights.shape
-        weighted = rows.view(n_tokens, k, rows.shape[-1]) * handle.topk_weights.unsqueeze(-1).to(rows.dtype)
-        return weighted.sum(1)
+        position = torch.empty_like(handle.order)  # where each (token, choice) row was sent
+        position[handle.order] = torch.arange(handle.order.shape[0], device=handle.order.device)
+        rows = expert_out.index_select(0, position).view(n_tokens, k, expert_out.shape[-1])  # [T, k, D]
+        weights = handle.topk_weights.to(expert_out.dtype).unsqueeze(1)  # [T, 1, k]
+        return torch.bmm(weights, rows).squeeze(1)  # the weighted sum, in one batched GEMM
 
     def combine_b(self, pending):
         return pending

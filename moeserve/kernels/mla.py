@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from moeserve.kernels.backend import use_triton
 
@@ -33,10 +34,30 @@ def extend_attention(
     ``0 .. prefix_len + i``. Returns ``[T, H, Dv]``.
     """
     if use_triton(q):
+        if _flash_fits(q, k, extend_lens, prefix_lens):
+            return _extend_flash(q, k, v, len(extend_lens), scale)
         from moeserve.kernels.triton import mla as triton_mla
 
         return triton_mla.extend_attention(q, k, v, extend_lens, prefix_lens, scale)
     return extend_attention_ref(q, k, v, extend_lens, prefix_lens, scale)
+
+
+def _flash_fits(q: torch.Tensor, k: torch.Tensor, extend_lens: list[int], prefix_lens: list[int]) -> bool:
+    """Whole prompts of one length with nothing cached: a plain causal batch, which torch's
+    flash attention ran ~1.5x faster than our Triton kernel on the H200 (8 x 1024, 128 heads)."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 and len(set(extend_lens)) == 1
+            and not any(prefix_lens) and q.is_contiguous() and k.is_contiguous())
+
+
+def _extend_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_seqs: int, scale: float) -> torch.Tensor:
+    """``extend_attention`` for ``n_seqs`` equal prompts through ``F.scaled_dot_product_attention``;
+    v is zero-padded to the qk head dim, which flash attention needs."""
+    n_tokens, heads, dqk = q.shape
+    dv = v.shape[-1]
+    batched = lambda t: t.view(n_seqs, n_tokens // n_seqs, heads, dqk).transpose(1, 2)  # noqa: E731
+    v = F.pad(v, (0, dqk - dv))
+    out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=scale)
+    return out[..., :dv].transpose(1, 2).reshape(n_tokens, heads, dv)  # [T, H, Dv]
 
 
 def extend_attention_ref(

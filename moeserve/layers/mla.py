@@ -21,8 +21,9 @@ from moeserve.layers.norm import RMSNorm
 class MLAInputs:
     """What ``prepare`` hands to ``core``: the query of the new tokens, split into its parts."""
 
-    q_nope: torch.Tensor  # [T, H, qk_nope_head_dim]
-    q_rope: torch.Tensor  # [T, H, qk_rope_head_dim], rotated
+    q: torch.Tensor  # [T, H, qk_nope_head_dim + qk_rope_head_dim], the rope part rotated
+    q_nope: torch.Tensor  # [T, H, qk_nope_head_dim], a view of q
+    q_rope: torch.Tensor  # [T, H, qk_rope_head_dim], a view of q
 
 
 class MLA(nn.Module):
@@ -66,10 +67,10 @@ class MLA(nn.Module):
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_rope = apply_rope(q_rope, cos, sin, self.interleave)
+        q_rope.copy_(apply_rope(q_rope, cos, sin, self.interleave))  # q is our own fresh projection
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin, self.interleave).squeeze(1)
         batch.kv_pool.write(self.layer_id, batch.out_cache_loc, latent, k_rope)
-        return MLAInputs(q_nope, q_rope)
+        return MLAInputs(q, q_nope, q_rope)
 
     def core(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
         """Attention of the new tokens over this rank's heads; ``[T, H_local * v_head_dim]``."""
@@ -96,6 +97,7 @@ class MLA(nn.Module):
         latent, k_rope = cached.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(latent).view(latent.shape[0], self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
-        q = torch.cat([inputs.q_nope, inputs.q_rope], dim=-1)
-        return extend_attention(q, k, v, batch.extend_lens_cpu, batch.prefix_lens_cpu, self.scale)
+        k = kv.new_empty(latent.shape[0], self.num_heads, self.nope_dim + self.rope_dim)  # [S, H, Dqk]
+        k[..., :self.nope_dim] = k_nope
+        k[..., self.nope_dim:] = k_rope.unsqueeze(1)  # one rope key shared by every head
+        return extend_attention(inputs.q, k, v, batch.extend_lens_cpu, batch.prefix_lens_cpu, self.scale)

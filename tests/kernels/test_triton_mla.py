@@ -317,3 +317,18 @@ def interpreted() -> dict[str, str]:
 @pytest.mark.parametrize("name", list(INTERPRETED_CHECKS))
 def test_interpreted(interpreted: dict[str, str], name: str) -> None:
     assert interpreted[name] == "ok", interpreted[name]
+
+
+@pytest.mark.gpu
+def test_equal_prompts_without_prefix_take_flash_attention() -> None:
+    from moeserve.kernels.mla import _flash_fits, extend_attention, extend_attention_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    n_seqs, n, heads = 3, 97, 16
+    q = torch.randn(n_seqs * n, heads, 192, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(n_seqs * n, heads, 192, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(n_seqs * n, heads, 256, device="cuda", dtype=torch.bfloat16, generator=gen)[..., 128:]
+    assert _flash_fits(q, k, [n] * n_seqs, [0] * n_seqs)
+    out = extend_attention(q, k, v, [n] * n_seqs, [0] * n_seqs, 0.1)
+    ref = extend_attention_ref(q.float(), k.float(), v.float(), [n] * n_seqs, [0] * n_seqs, 0.1)
+    assert ((out.float() - ref).norm() / ref.norm()) < 1e-2

@@ -207,6 +207,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+PREFILL_TOKENS = 8192
+
+
 def _routed_counts(tokens: int) -> torch.Tensor:
     """Rows per expert [N_EXPERTS] when ``tokens`` tokens each pick TOP_K distinct experts uniformly."""
     picks = torch.rand(tokens, N_EXPERTS, device=DEVICE).topk(TOP_K, dim=1).indices
@@ -229,6 +232,12 @@ def _builders() -> list[tuple[str, Callable[[_WeightCache], Shape]]]:
         name = f"grouped contiguous {dt} E{PREFILL_EXPERTS}x{PREFILL_ROWS} N{W13[0]} K{W13[1]}"
         out.append((name, lambda c, name=name, fp8=fp8: _contiguous_shape(
             name, c, torch.full((PREFILL_EXPERTS,), PREFILL_ROWS), *W13, fp8, FP8_LARGE if fp8 else BF16_LARGE)))
+    for fp8 in (True, False):  # a prefill of 8192 tokens, routed at random: ragged segments
+        dt = "fp8" if fp8 else "bf16"
+        for proj, (n, k) in (("w13", W13), ("w2", W2)):
+            name = f"grouped contiguous {dt} prefill {proj} M{PREFILL_TOKENS * TOP_K} E{N_EXPERTS}"
+            out.append((name, lambda c, name=name, fp8=fp8, n=n, k=k: _contiguous_shape(
+                name, c, _routed_counts(PREFILL_TOKENS).cpu(), n, k, fp8, FP8_LARGE if fp8 else BF16_LARGE)))
     for fp8 in (True, False):
         dt = "fp8" if fp8 else "bf16"
         for proj, (n, k) in (("w13", W13), ("w2", W2)):
