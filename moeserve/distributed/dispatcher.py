@@ -36,6 +36,7 @@ class DispatchOutput:
     hidden: torch.Tensor
     seg_indptr: torch.Tensor
     tokens_per_expert: torch.Tensor | None = None
+    tail_rows: bool = True  # False: no rows past seg_indptr[-1] (lets the grouped GEMM skip zeroing them)
 
 
 @dataclass
@@ -102,7 +103,8 @@ class LocalDispatcher(Dispatcher):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=hidden.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # bincount would sync on CUDA
         seg_indptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-        recv = DispatchOutput(hidden.index_select(0, order // topk_ids.shape[1]), seg_indptr, counts)
+        recv = DispatchOutput(hidden.index_select(0, order // topk_ids.shape[1]), seg_indptr, counts,
+                              tail_rows=False)
         return recv, LocalHandle(order, topk_weights)
 
     def dispatch_b(self, pending):

@@ -28,6 +28,8 @@ def grouped_gemm_contiguous(
     x_scale: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    *,
+    tail_rows: bool = True,
 ) -> torch.Tensor:
     """``out[s:t] = x[s:t] @ w[e].T`` for each expert ``e`` with ``s, t = seg_indptr[e], seg_indptr[e+1]``.
 
@@ -36,10 +38,11 @@ def grouped_gemm_contiguous(
     ceil(K/128)]`` fp32), ``seg_indptr [E + 1]`` int64 on the device, non-decreasing from 0
     -> ``[M, N]`` in ``out_dtype`` (default: ``x.dtype``; bf16 for fp8). Rows outside every
     segment (padding past ``seg_indptr[E]``) are zero; segments need no alignment.
+    ``tail_rows=False`` promises that ``seg_indptr[E] == M`` (no padding), which spares a pass.
     """
     if use_triton(x):
         if _cublas_wins(x, w, x_scale, out_dtype):
-            return _cublas_grouped(x, w, seg_indptr)
+            return _cublas_grouped(x, w, seg_indptr, tail_rows)
         from moeserve.kernels.triton import gemm as triton_gemm
 
         return triton_gemm.grouped_gemm_contiguous(x, w, seg_indptr, x_scale, w_scale, out_dtype)
@@ -59,12 +62,14 @@ def _cublas_wins(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None,
             and x.shape[0] >= CUBLAS_MIN_ROWS_PER_EXPERT * w.shape[0] and x.shape[-1] % 8 == 0)
 
 
-def _cublas_grouped(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
+def _cublas_grouped(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor, tail_rows: bool) -> torch.Tensor:
     """``grouped_gemm_contiguous`` through cuBLAS; rows past the last segment are zeroed
     without a host sync (they are computed with the last expert, then masked)."""
     offs = seg_indptr[1:].to(torch.int32)
     offs[-1] = x.shape[0]  # the padding rides with the last expert
     out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # [M, N]
+    if not tail_rows:
+        return out
     padding = torch.arange(x.shape[0], device=x.device) >= seg_indptr[-1]
     return out.masked_fill_(padding.unsqueeze(1), 0)
 

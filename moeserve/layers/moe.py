@@ -61,7 +61,7 @@ class Experts(nn.Module):
             x, fp8_args = x_fp8, {"x_scale": x_scale, "w_scale": w_scale, "out_dtype": x.dtype}
         if isinstance(recv, MaskedDispatchOutput):
             return grouped_gemm_masked(x, w, recv.masked_m, **fp8_args)
-        return grouped_gemm_contiguous(x, w, recv.seg_indptr, **fp8_args)
+        return grouped_gemm_contiguous(x, w, recv.seg_indptr, **fp8_args, tail_rows=recv.tail_rows)
 
     def quantize_fp8_(self) -> None:
         """Replace the loaded weights by their FP8 block quantization, one expert at a time
