@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -12,8 +13,10 @@ from moeserve.config import build_engine_config
 from moeserve.core import Req, SamplingParams, TokenLogprob
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.models.tokenizer import load_tokenizer
-from moeserve.scheduler.ranked_engine import RankedEngine
 from moeserve.scheduler.scheduler import Scheduler, check_request
+
+if TYPE_CHECKING:
+    from moeserve.scheduler.ranked_engine import RankedEngine
 
 Prompt = str | list[int]
 
@@ -37,8 +40,10 @@ class LLM:
     def __init__(self, model_path: str, **settings: Any) -> None:
         self.config = build_engine_config(model_path, **settings)
         self.tokenizer = load_tokenizer(self.config.load.tokenizer_path or model_path)
-        self._ranks: RankedEngine | None = None
+        self._ranks: RankedEngine | None = None  # several ranks: processes reached over ZMQ
         if self.config.parallel.world_size > 1:
+            from moeserve.scheduler.ranked_engine import RankedEngine  # needs pyzmq; one rank does not
+
             self._ranks = RankedEngine(self.config)
         else:
             self.runner = ModelRunner(self.config)

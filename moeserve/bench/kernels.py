@@ -12,8 +12,8 @@ from __future__ import annotations
 import importlib
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 
@@ -73,10 +73,7 @@ def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float
 
 def measure_ceilings() -> Ceilings:
     """Copy bandwidth (4 GiB buffers) and matmul rates (8192³) on random data."""
-    src = torch.randn(2**30, device="cuda")  # 4 GiB
-    dst = torch.empty_like(src)
-    copy_ms = time_ms(lambda: dst.copy_(src), iters=20)
-    del src, dst
+    copy_ms = _copy_ms(2**30)  # 4 GiB of fp32
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -87,6 +84,12 @@ def measure_ceilings() -> Ceilings:
     flops = 2 * n**3
     return Ceilings(copy_gbps=2 * 2**32 / copy_ms / 1e6, bf16_tflops=flops / bf16_ms / 1e9,
                     fp8_tflops=flops / fp8_ms / 1e9)
+
+
+def _copy_ms(numel: int) -> float:
+    src = torch.randn(numel, device="cuda")
+    dst = torch.empty_like(src)
+    return time_ms(lambda: dst.copy_(src), iters=20)
 
 
 def run_case(case: KernelCase, ceil: Ceilings) -> CaseResult:

@@ -39,7 +39,7 @@ class CudaGraphRunner:
         self._capture_all()
 
     def _init_buffers(self, device: torch.device, max_kv_tokens: int) -> None:
-        zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=device)  # noqa: E731
+        zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=device)
         self.input_ids, self.positions, self.out_cache_loc = zeros(self.max_bs), zeros(self.max_bs), zeros(self.max_bs)
         self.prefix_lens, self.extend_lens = zeros(self.max_bs), zeros(self.max_bs) + 1
         self.kv_indptr = zeros(self.max_bs + 1)

@@ -12,9 +12,9 @@ from moeserve.cache import MLAKVPool, PagePool, kv_capacity_tokens
 from moeserve.config import EngineConfig
 from moeserve.core import DPInfo, ForwardBatch, ForwardMode, ScheduleBatch
 from moeserve.distributed.groups import ParallelGroups
-from moeserve.executor.cuda_graph import CudaGraphRunner
 from moeserve.distributed.groups import single as single_groups
 from moeserve.eplb.placement import ExpertPlacement
+from moeserve.executor.cuda_graph import CudaGraphRunner
 from moeserve.layers.moe import MoEOptions
 from moeserve.models.deepseek import DeepseekForCausalLM
 from moeserve.models.loader import load_checkpoint, load_dummy
@@ -96,7 +96,7 @@ class ModelRunner:
         n_pages = [-(-e // page_size) for e in ends]
         table = np.concatenate([np.asarray(s.req.page_table[:n], dtype=np.int64) for s, n in zip(seqs, n_pages)]
                                or [np.zeros(0, dtype=np.int64)])
-        on_dev = lambda values: torch.tensor(values, dtype=torch.int64, device=dev)  # noqa: E731
+        on_dev = lambda values: torch.tensor(values, dtype=torch.int64, device=dev)
         input_ids = on_dev([i for s in seqs for i in s.req.fill_slice(s.start, s.end)])
         starts_d, ends_d, extends_d = on_dev(starts), on_dev(ends), on_dev(extends)
         kv_indptr = torch.cat([ends_d.new_zeros(1), torch.cumsum(ends_d, 0)])

@@ -54,7 +54,7 @@ def _extend_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_seqs: int
     v is zero-padded to the qk head dim, which flash attention needs."""
     n_tokens, heads, dqk = q.shape
     dv = v.shape[-1]
-    batched = lambda t: t.view(n_seqs, n_tokens // n_seqs, heads, dqk).transpose(1, 2)  # noqa: E731
+    batched = lambda t: t.view(n_seqs, n_tokens // n_seqs, heads, dqk).transpose(1, 2)
     v = F.pad(v, (0, dqk - dv))
     out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=scale)
     return out[..., :dv].transpose(1, 2).reshape(n_tokens, heads, dv)  # [T, H, Dv]

@@ -9,10 +9,10 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.core import ForwardBatch
-from moeserve.kernels.mla import extend_attention, mla_decode
-from moeserve.kernels.rope import apply_rope
 from moeserve.distributed.groups import Group
 from moeserve.distributed.groups import single as single_groups
+from moeserve.kernels.mla import extend_attention, mla_decode
+from moeserve.kernels.rope import apply_rope
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm
 

@@ -38,7 +38,7 @@ def list_checkpoint_tensors(model_path: str) -> dict[str, str]:
     names: dict[str, str] = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            for name in f.keys():
                 if name in names:
                     raise ValueError(f"tensor {name!r} appears in both {names[name]!r} and {path!r}")
                 names[name] = path

@@ -7,8 +7,8 @@ same list. The model never sees the scheduler: everything per step arrives in a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -21,9 +21,9 @@ from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.groups import single as single_groups
 from moeserve.distributed.layout import TokenLayout
 from moeserve.layers.embedding import Embedding, LMHead
+from moeserve.layers.linear import Linear
 from moeserve.layers.mla import MLA, MLAInputs
 from moeserve.layers.mlp import MLP
-from moeserve.layers.linear import Linear
 from moeserve.layers.moe import Experts, MoE, MoEOptions
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding

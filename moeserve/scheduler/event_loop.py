@@ -206,7 +206,7 @@ def run_rank(config: EngineConfig, rank: int, addrs: RankAddresses, ready: Conne
     try:
         groups = _init_distributed(config, rank, addrs)
         loop = EngineLoop(config, groups, addrs)
-    except Exception:  # noqa: BLE001 - the launcher shows the reason to the user
+    except Exception:
         ready.send(("error", traceback.format_exc()))
         return
     ready.send(("ready", {"max_total_tokens": loop.runner.max_total_tokens}))

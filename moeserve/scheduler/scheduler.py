@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.core import FinishReason, Req, ReqStatus, SamplingParams, ScheduleBatch
+from moeserve.core import FinishReason, Req, SamplingParams, ScheduleBatch
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.executor.sampler import SampleOutput, Sampler, SamplingInfo
 from moeserve.scheduler.policy import BatchPolicy, Queues

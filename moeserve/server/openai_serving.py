@@ -146,7 +146,7 @@ async def merged(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[Job
         try:
             async for chunk in state.client.generate(job.prompt_ids, job.params):
                 queue.put_nowait((job, chunk, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+        except Exception as exc:
             queue.put_nowait((job, None, exc))
 
     tasks = [asyncio.ensure_future(pump(job)) for job in jobs]

@@ -27,7 +27,7 @@ def _stored(model_path: str) -> dict[str, torch.Tensor]:
     for name in os.listdir(model_path):
         if name.endswith(".safetensors"):
             with safe_open(os.path.join(model_path, name), framework="pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
+                out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
 
 
