@@ -8,10 +8,6 @@ unreliable, so it gets fp16 and fp32).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import traceback
 from pathlib import Path
 
@@ -23,6 +19,7 @@ from moeserve.kernels.fp8 import FP8_MAX, per_token_group_quant_fp8_ref
 from moeserve.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from moeserve.kernels.rope import apply_rope_ref
 from moeserve.kernels.routing import select_experts_ref
+from tests.kernels.interpreter import interpreted, report
 
 REPO = Path(__file__).resolve().parents[2]
 # relative error bound vs an fp64 reference, by output dtype (a few roundings of the dtype)
@@ -330,7 +327,7 @@ INTERPRETED_CHECKS = {
 
 
 def run_interpreted_checks() -> None:
-    """Entry of the interpreter subprocess: run every check, print ``{name: "ok" | traceback}``."""
+    """Entry of the interpreter subprocess: run every check, report ``{name: "ok" | traceback}``."""
     results = {}
     for name, check in INTERPRETED_CHECKS.items():
         torch.manual_seed(0)
@@ -339,20 +336,14 @@ def run_interpreted_checks() -> None:
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc()
-    print(json.dumps(results))
+    report(results)
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> dict[str, str]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.kernels.test_triton_elementwise import run_interpreted_checks; run_interpreted_checks()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def interpreted_results() -> dict[str, object]:
+    return interpreted("tests.kernels.test_triton_elementwise:run_interpreted_checks")
 
 
 @pytest.mark.parametrize("name", list(INTERPRETED_CHECKS))
-def test_interpreted(interpreted: dict[str, str], name: str) -> None:
-    assert interpreted[name] == "ok", interpreted[name]
+def test_interpreted(interpreted_results: dict[str, object], name: str) -> None:
+    assert interpreted_results[name] == "ok", interpreted_results[name]

@@ -9,10 +9,6 @@ capture in a CUDA graph (which fails on any host synchronisation).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +17,7 @@ import torch
 from moeserve.kernels.backend import kernel_backend
 from moeserve.kernels.fp8 import block_quant_fp8, fp8_block_gemm, fp8_block_gemm_ref, per_token_group_quant_fp8
 from moeserve.kernels.grouped_gemm import grouped_gemm_contiguous_ref, grouped_gemm_masked_ref
+from tests.kernels.interpreter import fix_interpreter_scalars, interpreted, report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,23 +119,6 @@ def _interpreter_cases() -> dict[str, tuple]:
     return cases
 
 
-def _interpreter_compat() -> None:
-    """Triton 3.6's interpreter turns scalars into 1-element arrays and loop bounds into ints
-    with ``int(array)``, which numpy >= 2.4 rejects; take the element explicitly."""
-    import numpy as np
-    import triton.runtime.interpreter as interp
-
-    patch = getattr(interp, "_patch_lang_tensor", None)
-    if patch is None:
-        return
-
-    def patched(tensor, scope) -> None:
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
-
-
 def _poison_empty() -> None:
     """Make ``torch.empty`` return NaN-filled float tensors, so an unwritten output shows."""
     empty = torch.empty
@@ -154,7 +134,7 @@ def _poison_empty() -> None:
 
 def _interpreter_main() -> None:
     """Entry point of the subprocess: print ``{case: relative error or error text}`` as JSON."""
-    _interpreter_compat()
+    fix_interpreter_scalars()
     _poison_empty()
     results: dict[str, object] = {}
     for name, (thunk, _) in _interpreter_cases().items():
@@ -162,7 +142,7 @@ def _interpreter_main() -> None:
             results[name] = _rel(*thunk())
         except Exception as e:
             results[name] = f"{type(e).__name__}: {e}"
-    print("RESULTS " + json.dumps(results))
+    report(results)
 
 
 _INTERPRETER_CASES = [
@@ -178,14 +158,7 @@ _INTERPRETER_CASES = [
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, object]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "from tests.kernels.test_triton_gemm import _interpreter_main; _interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return interpreted("tests.kernels.test_triton_gemm:_interpreter_main")
 
 
 @pytest.mark.parametrize("name, tol", _INTERPRETER_CASES)

@@ -9,10 +9,6 @@ interpreter's bf16 loads are unreliable, so it gets fp16 and fp32).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import traceback
 from pathlib import Path
 
@@ -20,6 +16,7 @@ import pytest
 import torch
 
 from moeserve.kernels.mla import extend_attention_ref, mla_decode_ref
+from tests.kernels.interpreter import fix_interpreter_scalars, interpreted, report
 
 REPO = Path(__file__).resolve().parents[2]
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -275,23 +272,9 @@ INTERPRETED_CHECKS = {
 }
 
 
-def _fix_interpreter_scalars() -> None:
-    """Triton 3.6's interpreter converts scalars (1-element arrays) to ints with ``int(array)``,
-    which numpy >= 2.4 refuses; loops with bounds loaded from memory need it (triton issue 9171)."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def run_interpreted_checks() -> None:
-    """Entry of the interpreter subprocess: run every check, print ``{name: "ok" | traceback}``."""
-    _fix_interpreter_scalars()
+    """Entry of the interpreter subprocess: run every check, report ``{name: "ok" | traceback}``."""
+    fix_interpreter_scalars()
     results = {}
     for name, check in INTERPRETED_CHECKS.items():
         torch.manual_seed(0)
@@ -300,23 +283,17 @@ def run_interpreted_checks() -> None:
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc()
-    print(json.dumps(results))
+    report(results)
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> dict[str, str]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.kernels.test_triton_mla import run_interpreted_checks; run_interpreted_checks()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def interpreted_results() -> dict[str, object]:
+    return interpreted("tests.kernels.test_triton_mla:run_interpreted_checks")
 
 
 @pytest.mark.parametrize("name", list(INTERPRETED_CHECKS))
-def test_interpreted(interpreted: dict[str, str], name: str) -> None:
-    assert interpreted[name] == "ok", interpreted[name]
+def test_interpreted(interpreted_results: dict[str, object], name: str) -> None:
+    assert interpreted_results[name] == "ok", interpreted_results[name]
 
 
 @pytest.mark.gpu
