@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,20 @@ def interpreted(entry: str) -> dict[str, object]:
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1][len(MARK):])
+
+
+def run_checks(checks: dict[str, Callable[[], None]]) -> None:
+    """Run each check (seeded alike) inside the interpreter subprocess; report
+    ``{name: "ok" | traceback}``."""
+    import torch
+
+    fix_interpreter_scalars()
+    results = {}
+    for name, check in checks.items():
+        torch.manual_seed(0)
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    report(results)

@@ -8,7 +8,6 @@ unreliable, so it gets fp16 and fp32).
 
 from __future__ import annotations
 
-import traceback
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from moeserve.kernels.fp8 import FP8_MAX, per_token_group_quant_fp8_ref
 from moeserve.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from moeserve.kernels.rope import apply_rope_ref
 from moeserve.kernels.routing import select_experts_ref
-from tests.kernels.interpreter import interpreted, report
+from tests.kernels.interpreter import interpreted, run_checks
 
 REPO = Path(__file__).resolve().parents[2]
 # relative error bound vs an fp64 reference, by output dtype (a few roundings of the dtype)
@@ -327,16 +326,8 @@ INTERPRETED_CHECKS = {
 
 
 def run_interpreted_checks() -> None:
-    """Entry of the interpreter subprocess: run every check, report ``{name: "ok" | traceback}``."""
-    results = {}
-    for name, check in INTERPRETED_CHECKS.items():
-        torch.manual_seed(0)
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-    report(results)
+    """Entry of the interpreter subprocess."""
+    run_checks(INTERPRETED_CHECKS)
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ interpreter's bf16 loads are unreliable, so it gets fp16 and fp32).
 
 from __future__ import annotations
 
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
 from moeserve.kernels.mla import extend_attention_ref, mla_decode_ref
-from tests.kernels.interpreter import fix_interpreter_scalars, interpreted, report
+from tests.kernels.interpreter import interpreted, run_checks
 
 REPO = Path(__file__).resolve().parents[2]
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -273,17 +272,8 @@ INTERPRETED_CHECKS = {
 
 
 def run_interpreted_checks() -> None:
-    """Entry of the interpreter subprocess: run every check, report ``{name: "ok" | traceback}``."""
-    fix_interpreter_scalars()
-    results = {}
-    for name, check in INTERPRETED_CHECKS.items():
-        torch.manual_seed(0)
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-    report(results)
+    """Entry of the interpreter subprocess."""
+    run_checks(INTERPRETED_CHECKS)
 
 
 @pytest.fixture(scope="module")
