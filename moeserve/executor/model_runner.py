@@ -38,17 +38,13 @@ class ModelRunner:
                                             par.ep_num_redundant_experts)
         moe = MoEOptions(placement, par.moe_a2a_backend, par.deepep_mode, par.max_dispatch_tokens_per_rank)
         with torch.device(self.device), _default_dtype(self.dtype):
-            model = DeepseekForCausalLM(cfg, self.groups, moe)
+            model = DeepseekForCausalLM(cfg, self.groups, moe, fp8=self.fp8_weights)
         if load.load_format == "dummy":
             load_dummy(model, load.seed)
         else:
             if load.model_path is None:
                 raise ValueError("model_path is required unless load_format is 'dummy'")
             load_checkpoint(model, load.model_path, self.config.model)
-        if self.fp8_weights:
-            model.quantize_fp8_()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # the bf16 weights just freed
         return model.eval()
 
     @property

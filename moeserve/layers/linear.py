@@ -23,6 +23,15 @@ def frozen(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def frozen_fp8(*shape: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """An FP8 weight ``[..., N, K]`` and its 128x128 block scales ``[..., ceil(N/128),
+    ceil(K/128)]``; the weight knows its scales (``weight.scale_inv``) so the loader fills both."""
+    *lead, n, k = shape
+    weight = frozen(*shape, dtype=fp8.FP8_DTYPE)
+    weight.scale_inv = frozen(*lead, -(-n // fp8.FP8_BLOCK), -(-k // fp8.FP8_BLOCK), dtype=torch.float32)
+    return weight, weight.scale_inv
+
+
 def shard_range(total: int, group: Group) -> slice:
     """This rank's contiguous share of ``total`` (which must divide evenly)."""
     if total % group.size:
@@ -48,11 +57,14 @@ class Linear(nn.Module):
     """``y = x W^T + b``. After ``quantize_fp8_`` the weight is FP8 e4m3 with a
     ``weight_scale_inv`` per 128x128 block, and the matmul runs in FP8."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, fp8: bool = False) -> None:
         super().__init__()
-        self.weight = frozen(out_features, in_features)
-        self.bias = frozen(out_features) if bias else None
         self.weight_scale_inv: nn.Parameter | None = None
+        if fp8:
+            self.weight, self.weight_scale_inv = frozen_fp8(out_features, in_features)
+        else:
+            self.weight = frozen(out_features, in_features)
+        self.bias = frozen(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is not None:
@@ -63,15 +75,16 @@ class Linear(nn.Module):
         """Replace the loaded weight by its FP8 block quantization (frees the original)."""
         w_fp8, scale_inv = fp8.block_quant_fp8(self.weight.data, (fp8.FP8_BLOCK, fp8.FP8_BLOCK))
         self.weight = nn.Parameter(w_fp8, requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
+        self.weight_scale_inv = self.weight.scale_inv = nn.Parameter(scale_inv, requires_grad=False)
 
 
 class ColumnParallelLinear(Linear):
     """Output features split over ``group``: each rank computes its slice of the outputs."""
 
-    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
+                 fp8: bool = False) -> None:
         self.rows = shard_range(out_features, group)
-        super().__init__(in_features, self.rows.stop - self.rows.start, bias)
+        super().__init__(in_features, self.rows.stop - self.rows.start, bias, fp8)
 
     def checkpoint_slots(self) -> dict[str, list[Slot]]:
         slots = {"weight": [(self.weight, (), (self.rows,))]}
@@ -86,9 +99,10 @@ class RowParallelLinear(Linear):
     The bias is added on the group's first rank only, so the sum over ranks adds it once.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
+                 fp8: bool = False) -> None:
         self.cols = shard_range(in_features, group)
-        super().__init__(self.cols.stop - self.cols.start, out_features, bias and group.first)
+        super().__init__(self.cols.stop - self.cols.start, out_features, bias and group.first, fp8)
         self.has_checkpoint_bias = bias
 
     def checkpoint_slots(self) -> dict[str, list[Slot]]:

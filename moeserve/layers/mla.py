@@ -29,7 +29,7 @@ class MLAInputs:
 class MLA(nn.Module):
     """Parameters named as in the checkpoints; the latent cache lives outside, in the KV pool."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: Group | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: Group | None = None, fp8: bool = False) -> None:
         super().__init__()
         tp = tp or single_groups().world
         if cfg.num_heads % tp.size:
@@ -44,16 +44,18 @@ class MLA(nn.Module):
         bias = cfg.attention_bias
         # heads split over attention TP; the latent projections are small and replicated
         if cfg.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads * cfg.qk_head_dim, tp)
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads * cfg.qk_head_dim, tp, fp8=fp8)
         else:
-            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias, fp8=fp8)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * cfg.qk_head_dim, tp)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=bias)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * cfg.qk_head_dim, tp, fp8=fp8)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=bias, fp8=fp8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        # kept in the model dtype even with FP8 weights: absorbed MLA folds its halves into the
+        # queries and outputs
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp)
         # a partial sum over the TP group: the decoder layer reduce-scatters it
-        self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, cfg.hidden_size, tp, bias=bias)
+        self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, cfg.hidden_size, tp, bias=bias, fp8=fp8)
 
     def prepare(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> MLAInputs:

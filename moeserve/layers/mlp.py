@@ -15,14 +15,15 @@ class MLP(nn.Module):
     With a group of several ranks the output is a partial sum: the caller reduces it.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, group: Group | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, group: Group | None = None,
+                 fp8: bool = False) -> None:
         super().__init__()
         group = group or single_groups().world
         self.shard = shard_range(intermediate_size, group)
         local = self.shard.stop - self.shard.start
         # gate_proj and up_proj stacked so one GEMM computes both
-        self.gate_up_proj = Linear(hidden_size, 2 * local)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, group)
+        self.gate_up_proj = Linear(hidden_size, 2 * local, fp8=fp8)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, group, fp8=fp8)
 
     def checkpoint_slots(self) -> dict[str, list[Slot]]:
         weight, local = self.gate_up_proj.weight, self.shard.stop - self.shard.start

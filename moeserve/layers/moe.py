@@ -15,7 +15,7 @@ from moeserve.kernels import fp8
 from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.grouped_gemm import grouped_gemm_contiguous, grouped_gemm_masked
 from moeserve.layers.gate import Gate
-from moeserve.layers.linear import Slot, frozen
+from moeserve.layers.linear import Slot, frozen, frozen_fp8
 from moeserve.layers.mlp import MLP
 
 
@@ -24,15 +24,20 @@ class Experts(nn.Module):
     up) and ``w2 [E_local, D, I]``. Slot ``j`` holds logical expert ``logical_ids[j]``, filled from
     the checkpoint's per-expert tensors; a logical expert with several replicas here fills each."""
 
-    def __init__(self, logical_ids: list[int], num_logical: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, logical_ids: list[int], num_logical: int, hidden_size: int, intermediate_size: int,
+                 fp8: bool = False) -> None:
         super().__init__()
         self.logical_ids, self.num_logical = logical_ids, num_logical
         self.num_experts, self.intermediate_size = len(logical_ids), intermediate_size
-        self.w13 = frozen(self.num_experts, 2 * intermediate_size, hidden_size)
-        self.w2 = frozen(self.num_experts, hidden_size, intermediate_size)
-        # set by quantize_fp8_: per-expert 128x128 block scales [E, N/128, K/128]
+        # FP8: per-expert 128x128 block scales [E, ceil(N/128), ceil(K/128)] beside each stack
         self.w13_scale_inv: nn.Parameter | None = None
         self.w2_scale_inv: nn.Parameter | None = None
+        if fp8:
+            self.w13, self.w13_scale_inv = frozen_fp8(self.num_experts, 2 * intermediate_size, hidden_size)
+            self.w2, self.w2_scale_inv = frozen_fp8(self.num_experts, hidden_size, intermediate_size)
+        else:
+            self.w13 = frozen(self.num_experts, 2 * intermediate_size, hidden_size)
+            self.w2 = frozen(self.num_experts, hidden_size, intermediate_size)
 
     def checkpoint_slots(self) -> dict[str, list[Slot]]:
         inter = self.intermediate_size
@@ -63,15 +68,6 @@ class Experts(nn.Module):
             return grouped_gemm_masked(x, w, recv.masked_m, **fp8_args)
         return grouped_gemm_contiguous(x, w, recv.seg_indptr, **fp8_args, tail_rows=recv.tail_rows)
 
-    def quantize_fp8_(self) -> None:
-        """Replace the loaded weights by their FP8 block quantization, one expert at a time
-        (quantizing all at once would need an fp32 copy of the whole stack)."""
-        for name in ("w13", "w2"):
-            weights = getattr(self, name).data
-            parts = [fp8.block_quant_fp8(w, (fp8.FP8_BLOCK, fp8.FP8_BLOCK)) for w in weights]
-            setattr(self, name, nn.Parameter(torch.stack([q for q, _ in parts]), requires_grad=False))
-            setattr(self, f"{name}_scale_inv", nn.Parameter(torch.stack([s for _, s in parts]), requires_grad=False))
-
 
 @dataclass(frozen=True)
 class MoEOptions:
@@ -88,17 +84,19 @@ class MoEOptions:
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, groups: ParallelGroups, opts: MoEOptions) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, groups: ParallelGroups, opts: MoEOptions,
+                 fp8: bool = False) -> None:
         super().__init__()
         self.layer_id, self.ep, self.placement = layer_id, groups.ep, opts.placement
         self.expert_map = opts.placement.layer_map(layer_id, torch.get_default_device())
         self.gate = Gate(cfg)
         local = opts.placement.local_slots(groups.ep.rank)
         logical_ids = opts.placement.phy2log[layer_id, local.start:local.stop].tolist()
-        self.experts = Experts(logical_ids, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = Experts(logical_ids, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, fp8)
         # replicated on every rank, applied to the rank's own tokens (as with DeepEP)
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, fp8=fp8)
+            if cfg.n_shared_experts else None
         )
         self._dispatchers = self._make_dispatchers(opts, len(logical_ids))
 

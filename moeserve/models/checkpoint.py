@@ -1,7 +1,8 @@
 """Reading Hugging Face checkpoint folders: which file holds each tensor, and streaming them out.
 
 FP8 checkpoints (DeepSeek-V3 as released) store a block-quantized ``<name>`` with a sibling
-``<name>_scale_inv``; they come out of ``iter_checkpoint`` already dequantized.
+``<name>_scale_inv``; they come out of ``iter_checkpoint`` dequantized, or as ``QuantizedWeight``
+when the model keeps FP8 weights.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -19,6 +21,22 @@ from moeserve.config import ModelConfig
 from moeserve.kernels.fp8 import FP8_DTYPE, block_dequant_fp8
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """An FP8 checkpoint tensor as stored: ``fp8 [N, K]`` e4m3 and ``scale_inv`` per ``block``."""
+
+    fp8: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.fp8.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return block_dequant_fp8(self.fp8, self.scale_inv, self.block)
 SCALE_SUFFIX = "_scale_inv"
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -46,14 +64,15 @@ def list_checkpoint_tensors(model_path: str) -> dict[str, str]:
 
 
 def iter_checkpoint(
-    model_path: str, cfg: ModelConfig, wanted: Callable[[str], bool] = lambda name: True
-) -> Iterator[tuple[str, torch.Tensor]]:
+    model_path: str, cfg: ModelConfig, wanted: Callable[[str], bool] = lambda name: True, keep_fp8: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield ``(name, tensor)`` for each weight of the model, one tensor read at a time.
 
     Only names that ``wanted`` accepts are read (a rank loads what it owns). MTP layers
     (``model.layers.{i}`` with ``i >= cfg.num_layers``) are skipped. FP8 weights are dequantized to
-    float32 with their ``_scale_inv`` and ``cfg.fp8_block``; ``_scale_inv`` tensors are never
-    yielded. Other tensors keep their stored dtype.
+    float32 with their ``_scale_inv`` and ``cfg.fp8_block`` (``keep_fp8``: yielded as stored, in a
+    ``QuantizedWeight``); ``_scale_inv`` tensors are never yielded alone. Other tensors keep their
+    stored dtype.
     """
     files = list_checkpoint_tensors(model_path)
     _check_scales_have_weights(files)
@@ -61,10 +80,11 @@ def iter_checkpoint(
     for path, group in _group_by_file(names, files).items():
         with safe_open(path, framework="pt") as f:
             for name in group:
-                yield name, _read_weight(f, path, name, files, cfg)
+                yield name, _read_weight(f, path, name, files, cfg, keep_fp8)
 
 
-def _read_weight(f: safe_open, path: str, name: str, files: dict[str, str], cfg: ModelConfig) -> torch.Tensor:
+def _read_weight(f: safe_open, path: str, name: str, files: dict[str, str], cfg: ModelConfig,
+                 keep_fp8: bool = False) -> torch.Tensor | QuantizedWeight:
     """Read ``name`` from ``f`` (the open file at ``path``), dequantizing it when it is FP8."""
     tensor = f.get_tensor(name)
     scale_name = name + SCALE_SUFFIX
@@ -77,7 +97,8 @@ def _read_weight(f: safe_open, path: str, name: str, files: dict[str, str], cfg:
         raise ValueError(f"{scale_name!r} scales {name!r}, which is {tensor.dtype}, not float8_e4m3fn")
     if cfg.fp8_block is None:
         raise ValueError(f"{name!r} is FP8 but config.json has no quantization_config.weight_block_size")
-    return block_dequant_fp8(tensor, _read_scale(f, path, scale_name, files), cfg.fp8_block)
+    weight = QuantizedWeight(tensor, _read_scale(f, path, scale_name, files), cfg.fp8_block)
+    return weight if keep_fp8 else weight.dequantize()
 
 
 def _read_scale(f: safe_open, path: str, scale_name: str, files: dict[str, str]) -> torch.Tensor:

@@ -21,10 +21,9 @@ from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.groups import single as single_groups
 from moeserve.distributed.layout import TokenLayout
 from moeserve.layers.embedding import Embedding, LMHead
-from moeserve.layers.linear import Linear
 from moeserve.layers.mla import MLA, MLAInputs
 from moeserve.layers.mlp import MLP
-from moeserve.layers.moe import Experts, MoE, MoEOptions
+from moeserve.layers.moe import MoE, MoEOptions
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 
@@ -52,15 +51,16 @@ Op = Callable[[LayerState, ForwardBatch], None]
 class DecoderLayer(nn.Module):
     """Between ops the residual stream is in the scattered layout (``distributed/layout.py``)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, groups: ParallelGroups, moe: MoEOptions) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, groups: ParallelGroups, moe: MoEOptions,
+                 fp8: bool = False) -> None:
         super().__init__()
         self.layout = TokenLayout(groups)
-        self.self_attn = MLA(cfg, layer_id, groups.attn_tp)
+        self.self_attn = MLA(cfg, layer_id, groups.attn_tp, fp8)
         self.is_moe = cfg.is_moe_layer(layer_id)
         if self.is_moe:
-            self.mlp = MoE(cfg, layer_id, groups, moe)
+            self.mlp = MoE(cfg, layer_id, groups, moe, fp8)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, groups.dense_tp)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, groups.dense_tp, fp8)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -121,34 +121,30 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, moe: MoEOptions) -> None:
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, moe: MoEOptions, fp8: bool = False) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, groups, moe) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, groups, moe, fp8) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, moe: MoEOptions | None = None) -> None:
+    """``fp8=True``: every projection and routed expert holds FP8 weights with 128x128 block
+    scales (embeddings, LM head, router, norms and ``kv_b_proj`` keep the model dtype)."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, moe: MoEOptions | None = None,
+                 fp8: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.groups = groups = groups or single_groups()
         self.layout = TokenLayout(groups)
-        self.model = DeepseekModel(cfg, groups, moe or MoEOptions.single(cfg))
+        self.model = DeepseekModel(cfg, groups, moe or MoEOptions.single(cfg), fp8)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, groups.lm_head)
         if cfg.tie_word_embeddings:
             if groups.lm_head.size > 1:
                 raise ValueError("tied word embeddings with a vocab-parallel LM head are not supported")
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def quantize_fp8_(self) -> None:
-        """FP8 (128x128 block scales) for every projection and routed expert. Kept in the model
-        dtype: embeddings, LM head, router, norms, and ``kv_b_proj``, whose halves absorbed MLA
-        folds into the queries and outputs."""
-        for name, module in self.named_modules():
-            if isinstance(module, (Linear, Experts)) and not name.endswith("kv_b_proj"):
-                module.quantize_fp8_()
 
     def begin(self, batch: ForwardBatch) -> LayerState:
         """Embed this rank's scattered share of the batch; rope angles for the whole DP batch."""

@@ -88,3 +88,28 @@ def test_fp8_chat_model_still_solves_its_task(device):
                 for q, _ in items]
     correct = sum(is_correct(q, o.text) for (q, _), o in zip(items, outs))
     assert correct >= 21, f"{correct}/24 correct with FP8 weights"
+
+
+def test_unaligned_stacks_are_quantized_once_whole(tmp_path):
+    # intermediate 192: gate and up meet inside a 128-row block of the stacked gate_up weight,
+    # so that weight is gathered in fp32 first; hidden 160 gives partial blocks everywhere
+    path = make_tiny_model(str(tmp_path / "fp8"), preset="v3", fp8=True, seed=4, hidden_size=160,
+                           intermediate_size=192, initializer_range=0.1)
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    dequant = lambda name: block_dequant_fp8(stored[name], stored[name + "_scale_inv"])  # noqa: E731
+    runner = _runner(path, quantization="fp8")
+    gate_up = runner.model.model.layers[0].mlp.gate_up_proj
+    assert gate_up.weight.dtype == FP8_DTYPE
+    got = block_dequant_fp8(gate_up.weight, gate_up.weight_scale_inv)
+    ref = torch.cat([dequant("model.layers.0.mlp.gate_proj.weight"), dequant("model.layers.0.mlp.up_proj.weight")])
+    rel = (got - ref).norm() / ref.norm()
+    assert 0 < rel < 0.05, rel  # re-quantized on another block grid: e4m3 rounding, no more
+
+
+def test_dummy_weights_in_fp8(tmp_path):
+    path = make_tiny_model(str(tmp_path / "m"), preset="v3", seed=0)
+    runner = _runner(path, quantization="fp8", load_format="dummy")
+    experts = runner.model.model.layers[1].mlp.experts
+    assert experts.w13.dtype == FP8_DTYPE and experts.w13_scale_inv.abs().min() > 0  # every block filled
+    ids = list(range(2, 30))
+    assert torch.isfinite(run_extend(runner, new_req(runner, ids), 0, len(ids))).all()
