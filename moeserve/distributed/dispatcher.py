@@ -111,15 +111,25 @@ class LocalDispatcher(Dispatcher):
         return pending
 
     def combine_a(self, expert_out, handle):
-        n_tokens, k = handle.topk_weights.shape
-        position = torch.empty_like(handle.order)  # where each (token, choice) row was sent
-        position[handle.order] = torch.arange(handle.order.shape[0], device=handle.order.device)
-        rows = expert_out.index_select(0, position).view(n_tokens, k, expert_out.shape[-1])  # [T, k, D]
-        weights = handle.topk_weights.to(expert_out.dtype).unsqueeze(1)  # [T, 1, k]
-        return torch.bmm(weights, rows).squeeze(1)  # the weighted sum, in one batched GEMM
+        return weighted_topk_sum(unsort_rows(expert_out, handle.order, handle.topk_weights.shape), handle.topk_weights)
 
     def combine_b(self, pending):
         return pending
+
+
+def unsort_rows(rows: torch.Tensor, order: torch.Tensor, topk_shape: torch.Size) -> torch.Tensor:
+    """``rows [T * k, D]`` where row ``j`` belongs to flat (token, choice) ``order[j]`` ->
+    ``[T, k, D]`` in (token, choice) order, by a gather (no scatter, no atomics)."""
+    position = torch.empty_like(order)  # where each (token, choice) row went
+    position[order] = torch.arange(order.shape[0], device=order.device)
+    return rows.index_select(0, position).view(*topk_shape, rows.shape[-1])
+
+
+def weighted_topk_sum(rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``rows [T, k, D]`` (each token's expert outputs), ``topk_weights [T, k]`` -> ``[T, D]``
+    in rows' dtype: the weighted sum as one batched GEMM, the same arithmetic for every
+    dispatcher, with no atomics."""
+    return torch.bmm(topk_weights.to(rows.dtype).unsqueeze(1), rows).squeeze(1)
 
 
 DISPATCH_MODES = ("none", "normal", "low_latency")

@@ -10,8 +10,9 @@ hidden size ``D``, ``C = max_dispatch_tokens_per_rank``.
 - ``TorchLowLatencyDispatcher`` (decode): fixed ``[E, C, D]`` buffers and equal splits, every
   shape known ahead, no host sync, so a CUDA graph can capture it; masked layout.
 
-Both apply the routing weights on the source rank, in the order ``LocalDispatcher`` does, so a
-token's output matches the single-rank engine's to rounding of the expert GEMMs.
+Both apply the routing weights on the source rank with ``LocalDispatcher``'s arithmetic
+(``weighted_topk_sum``), so a token's output matches the single-rank engine's to rounding of
+the expert GEMMs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve.distributed.dispatcher import Dispatcher, DispatchOutput, MaskedDispatchOutput
+from moeserve.distributed.dispatcher import (
+    Dispatcher,
+    DispatchOutput,
+    MaskedDispatchOutput,
+    unsort_rows,
+    weighted_topk_sum,
+)
 from moeserve.distributed.groups import Group
 
 
@@ -52,8 +59,8 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
 class NormalHandle:
     """What ``TorchNormalDispatcher.combine`` needs. ``S`` rows sent, ``R`` rows received."""
 
-    token_index: torch.Tensor  # [S] int64: source token of each sent row (rows in physical-expert order)
-    weights: torch.Tensor  # [S]: routing weight of each sent row
+    order: torch.Tensor  # [S = T * k] int64: flat (token, choice) of each sent row (physical-expert order)
+    topk_weights: torch.Tensor  # [T, k]
     send_splits: list[int]  # [N]: rows sent to each rank
     recv_splits: list[int]  # [N]: rows received from each rank
     layout_rows: torch.Tensor  # [R] int64: row of the contiguous layout each received row went to
@@ -120,8 +127,8 @@ class TorchNormalDispatcher(Dispatcher):
 
         token_index = order // topk_ids.shape[1]  # [S]
         recv = hidden.new_empty(sum(recv_splits), hidden.shape[1])  # [R, D]
-        work = _all_to_all(recv, hidden[token_index], self.ep, recv_splits, send_splits)
-        handle = NormalHandle(token_index, topk_weights.flatten()[order], send_splits, recv_splits,
+        work = _all_to_all(recv, hidden.index_select(0, token_index), self.ep, recv_splits, send_splits)
+        handle = NormalHandle(order, topk_weights, send_splits, recv_splits,
                               layout_rows=token_index.new_empty(0), num_tokens=hidden.shape[0])
         return _NormalDispatchPending(recv, work, recv_counts, tokens_per_expert, seg_starts, handle)
 
@@ -141,17 +148,16 @@ class TorchNormalDispatcher(Dispatcher):
     def combine_a(self, expert_out: torch.Tensor, handle: NormalHandle) -> _CombinePending:
         """``expert_out [M, D]`` in the dispatch layout; starts sending each row back to its source."""
         recv = expert_out.new_empty(sum(handle.send_splits), expert_out.shape[1])  # [S, D]
-        back = expert_out[handle.layout_rows]  # [R, D], in received order
+        back = expert_out.index_select(0, handle.layout_rows)  # [R, D], in received order
         work = _all_to_all(recv, back, self.ep, handle.send_splits, handle.recv_splits)
         return _CombinePending(recv, work, handle)
 
     def combine_b(self, pending: _CombinePending) -> torch.Tensor:
         """-> ``[T, D]`` in ``expert_out``'s dtype: ``sum_k topk_weights[t, k] * expert_k(hidden[t])``."""
         _wait(pending.work)
-        handle, rows = pending.handle, pending.recv  # rows [S, D], in LocalDispatcher's order
-        weighted = rows * handle.weights.unsqueeze(1).to(rows.dtype)
-        out = rows.new_zeros(handle.num_tokens, rows.shape[1])
-        return out.index_add_(0, handle.token_index, weighted)
+        handle = pending.handle  # pending.recv [S, D], rows in the order they were sent
+        return weighted_topk_sum(unsort_rows(pending.recv, handle.order, handle.topk_weights.shape),
+                                 handle.topk_weights)
 
 
 def _layout_rows(recv_counts: torch.Tensor, seg_indptr: torch.Tensor, num_recv: int) -> torch.Tensor:
@@ -175,8 +181,8 @@ def _layout_rows(recv_counts: torch.Tensor, seg_indptr: torch.Tensor, num_recv: 
 class LowLatencyHandle:
     """What ``TorchLowLatencyDispatcher.combine`` needs; every tensor lives on the device."""
 
-    topk_ids: torch.Tensor  # [T, k] int64, each row sorted ascending
-    topk_weights: torch.Tensor  # [T, k], permuted with topk_ids
+    topk_ids: torch.Tensor  # [T, k] int64
+    topk_weights: torch.Tensor  # [T, k]
     slots: torch.Tensor  # [T, k] int64: row of (token, expert) in the C-row block sent to that expert
     layout_rows: torch.Tensor  # [E_local, N * C] int64: masked-layout row of each received (source, slot)
 
@@ -220,9 +226,6 @@ class TorchLowLatencyDispatcher(Dispatcher):
             raise ValueError(f"{num_tokens} tokens on this rank exceed max_dispatch_tokens_per_rank="
                              f"{self.capacity}; split the batch or raise the limit")
         n, e_local, cap = self.ep.size, self.num_local_experts, self.capacity
-        # sorted so that combine adds a token's expert outputs in LocalDispatcher's order
-        topk_ids, sort = topk_ids.sort(dim=1)
-        topk_weights = topk_weights.gather(1, sort)
         chosen = torch.zeros(num_tokens, n * e_local, dtype=torch.int32, device=hidden.device)
         chosen.scatter_(1, topk_ids, 1)  # [T, E]
         slots = (torch.cumsum(chosen, 0) - 1).gather(1, topk_ids)  # [T, k] token's place in each block
@@ -265,8 +268,4 @@ class TorchLowLatencyDispatcher(Dispatcher):
         handle = pending.handle
         n, e_local, cap, dim = pending.recv.shape
         rows = pending.recv.view(n * e_local, cap, dim)[handle.topk_ids, handle.slots]  # [T, k, D]
-        weights = handle.topk_weights.to(rows.dtype)
-        out = rows.new_zeros(rows.shape[0], dim)
-        for j in range(rows.shape[1]):  # ascending expert id, as LocalDispatcher's index_add
-            out += rows[:, j] * weights[:, j, None]
-        return out
+        return weighted_topk_sum(rows, handle.topk_weights)
