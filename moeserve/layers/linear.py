@@ -54,8 +54,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b``. After ``quantize_fp8_`` the weight is FP8 e4m3 with a
-    ``weight_scale_inv`` per 128x128 block, and the matmul runs in FP8."""
+    """``y = x W^T + b``. With ``fp8=True`` (or after ``quantize_fp8_``) the weight is FP8 e4m3
+    with a ``weight_scale_inv`` per 128x128 block, and the matmul runs in FP8."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, fp8: bool = False) -> None:
         super().__init__()
