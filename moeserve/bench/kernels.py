@@ -73,7 +73,7 @@ def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float
 
 def measure_ceilings() -> Ceilings:
     """Copy bandwidth (4 GiB buffers) and matmul rates (8192³) on random data."""
-    copy_ms = _copy_ms(2**30)  # 4 GiB of fp32
+    copy = copy_gbps(2**30)  # 4 GiB of fp32
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -82,14 +82,15 @@ def measure_ceilings() -> Ceilings:
     one = torch.ones((), device="cuda")
     fp8_ms = time_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), iters=20)
     flops = 2 * n**3
-    return Ceilings(copy_gbps=2 * 2**32 / copy_ms / 1e6, bf16_tflops=flops / bf16_ms / 1e9,
+    return Ceilings(copy_gbps=copy, bf16_tflops=flops / bf16_ms / 1e9,
                     fp8_tflops=flops / fp8_ms / 1e9)
 
 
-def _copy_ms(numel: int) -> float:
+def copy_gbps(numel: int, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth of ``numel`` fp32 values, bytes read plus written."""
     src = torch.randn(numel, device="cuda")
     dst = torch.empty_like(src)
-    return time_ms(lambda: dst.copy_(src), iters=20)
+    return 2 * numel * 4 / time_ms(lambda: dst.copy_(src), iters=iters) / 1e6
 
 
 def run_case(case: KernelCase, ceil: Ceilings) -> CaseResult:

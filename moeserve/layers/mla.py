@@ -19,11 +19,18 @@ from moeserve.layers.norm import RMSNorm
 
 @dataclass
 class MLAInputs:
-    """What ``prepare`` hands to ``core``: the query of the new tokens, split into its parts."""
+    """What ``prepare`` hands to ``core``: the query of the new tokens, its rope part rotated."""
 
-    q: torch.Tensor  # [T, H, qk_nope_head_dim + qk_rope_head_dim], the rope part rotated
-    q_nope: torch.Tensor  # [T, H, qk_nope_head_dim], a view of q
-    q_rope: torch.Tensor  # [T, H, qk_rope_head_dim], a view of q
+    q: torch.Tensor  # [T, H, qk_nope_head_dim + qk_rope_head_dim]
+    nope_dim: int
+
+    @property
+    def q_nope(self) -> torch.Tensor:  # [T, H, qk_nope_head_dim], a view of q
+        return self.q[..., :self.nope_dim]
+
+    @property
+    def q_rope(self) -> torch.Tensor:  # [T, H, qk_rope_head_dim], a view of q
+        return self.q[..., self.nope_dim:]
 
 
 class MLA(nn.Module):
@@ -66,13 +73,14 @@ class MLA(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q = q.view(n_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        inputs = MLAInputs(q, self.nope_dim)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
+        q_rope = inputs.q_rope
         q_rope.copy_(apply_rope(q_rope, cos, sin, self.interleave))  # q is our own fresh projection
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin, self.interleave).squeeze(1)
         batch.kv_pool.write(self.layer_id, batch.out_cache_loc, latent, k_rope)
-        return MLAInputs(q, q_nope, q_rope)
+        return inputs
 
     def core(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
         """Attention of the new tokens over this rank's heads; ``[T, H_local * v_head_dim]``."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.bench.kernels import KernelCase, time_ms
+from moeserve.bench.kernels import KernelCase, copy_gbps, time_ms
 
 TOKENS = (8192, 128)  # a prefill chunk and a decode batch
 HIDDEN = 7168
@@ -49,8 +49,8 @@ def cases() -> list[KernelCase]:
 def sweep(only: str | None = None, iters: int = 20) -> dict[str, dict]:
     """Time every candidate config of every shape (``only``: a substring of the shape names);
     print a table and the best config per shape, and return ``{shape name: best config}``."""
-    copy_gbps = _copy_gbps()
-    print(f"copy bandwidth {copy_gbps:.0f} GB/s")
+    copy_bw = copy_gbps(2**29, iters=10)  # 2 GiB
+    print(f"copy bandwidth {copy_bw:.0f} GB/s")
     best = {}
     for shape in _shapes():
         if only is not None and only not in shape.name:
@@ -64,7 +64,7 @@ def sweep(only: str | None = None, iters: int = 20) -> dict[str, dict]:
         for cfg, ms in results:
             gbps = shape.bytes / ms / 1e6
             print(f"{shape.name:44s} {cfg!s:36s} {ms * 1e3:9.1f} us {gbps:6.0f} GB/s "
-                  f"{100 * gbps / copy_gbps:5.1f}%")
+                  f"{100 * gbps / copy_bw:5.1f}%")
         tried = [r for r in results if r[0] != "torch"]
         if tried:
             best[shape.name] = min(tried, key=lambda r: r[1])[0]
@@ -98,13 +98,6 @@ def _graph_ms(fn: Callable[[], object], iters: int, repeat: int = 10) -> float:
     ms = time_ms(graph.replay, iters=iters) / repeat
     del graph
     return ms
-
-
-def _copy_gbps() -> float:
-    src = torch.empty(2**29, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), iters=10)
-    return 2 * src.numel() * 4 / ms / 1e6
 
 
 def _shapes() -> list[Shape]:

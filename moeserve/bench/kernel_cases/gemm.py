@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.bench.kernels import KernelCase, time_ms
+from moeserve.bench.kernels import KernelCase, copy_gbps, time_ms
 from moeserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, fp8_block_gemm, fp8_block_gemm_ref
 from moeserve.kernels.grouped_gemm import (
     grouped_gemm_contiguous,
@@ -64,8 +64,8 @@ def cases() -> list[KernelCase]:
 def sweep(only: str | None = None, iters: int = 10) -> dict[str, dict]:
     """Time every candidate config of every shape whose name contains ``only``; print a table
     (ms, TFLOP/s, GB/s) and the best config per shape; return ``{shape name: best config}``."""
-    copy_gbps = _copy_gbps()
-    print(f"copy bandwidth {copy_gbps:.0f} GB/s (bytes read + written)")
+    copy_bw = copy_gbps(2**29, iters=10)  # 2 GiB
+    print(f"copy bandwidth {copy_bw:.0f} GB/s (bytes read + written)")
     print(f"{'shape':50s} {'config':60s} {'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>6s} {'%copy':>6s}")
     best = {}
     for name, build in _builders():
@@ -80,7 +80,7 @@ def sweep(only: str | None = None, iters: int = 10) -> dict[str, dict]:
                 results.append((cfg, ms))
                 gbps = shape.bytes / ms / 1e6
                 print(f"{shape.name:50s} {_cfg_str(cfg):60s} {ms:8.4f} {shape.flops / ms / 1e9:8.1f} "
-                      f"{gbps:6.0f} {100 * gbps / copy_gbps:5.1f}%", flush=True)
+                      f"{gbps:6.0f} {100 * gbps / copy_bw:5.1f}%", flush=True)
         if results:
             cfg, ms = min(results, key=lambda r: r[1])
             best[shape.name] = cfg
@@ -101,13 +101,6 @@ def _time_candidate(shape: Shape, cfg: dict | None, ref_out: torch.Tensor, iters
     except Exception as e:
         print(f"{shape.name:50s} {_cfg_str(cfg):60s} FAILED {type(e).__name__}: {str(e)[:100]}")
         return None
-
-
-def _copy_gbps() -> float:
-    src = torch.empty(2**29, device=DEVICE)  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), iters=10)
-    return 2 * src.numel() * 4 / ms / 1e6
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
