@@ -227,15 +227,19 @@ def run_pass(runner: ModelRunner, prompts: list[list[int]], output_len: int, max
 def profile_pass(runner: ModelRunner, prompts: list[list[int]], output_len: int, max_prefill_tokens: int,
                  rows: int = 30) -> str:
     """One more pass under ``torch.profiler``: its operators by self time on the device (CPU
-    time on CPU), so one sees where a step goes."""
+    time on CPU), then the same split by input shapes, so one sees where a step goes and which
+    call of an operator (a copy, a gather) costs it."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         run_pass(runner, prompts, output_len, max_prefill_tokens)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    by_op = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    by_shape = prof.key_averages(group_by_input_shape=True).table(
+        sort_by=key, row_limit=rows, max_name_column_width=40, max_shapes_column_width=90)
+    return f"{by_op}\n{by_shape}"
 
 
 # ----------------------------------------------------------------------------------------- results

@@ -24,8 +24,20 @@ class Gate(nn.Module):
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [T, D]`` -> ``(topk_weights [T, k] fp32, topk_ids [T, k])`` (logical expert ids)."""
         cfg = self.cfg
-        logits = F.linear(hidden.float(), self.weight.float())  # [T, E]
         return select_experts(
-            logits, cfg.num_experts_per_tok, cfg.router, cfg.n_group, cfg.topk_group,
+            router_logits(hidden, self.weight), cfg.num_experts_per_tok, cfg.router, cfg.n_group, cfg.topk_group,
             self.e_score_correction_bias, cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
+
+
+def router_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden [T, D] @ weight [E, D].T`` in fp32, as DeepSeek's reference casts both to fp32.
+
+    On CUDA, 16-bit operands go through a 16-bit tensor-core GEMM that accumulates and returns
+    fp32: the products of two bf16 values are exact in fp32, so this is the fp32 GEMM's
+    arithmetic up to the order of the sum, several times faster (an fp32 GEMM runs without
+    tensor cores) and without an fp32 copy of the hidden states.
+    """
+    if hidden.is_cuda and hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden.float(), weight.float())  # [T, E]

@@ -253,6 +253,25 @@ def test_select_experts_other_methods_fall_back_gpu(method: str) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_router_logits_gpu_match_the_fp32_gemm(dtype: torch.dtype) -> None:
+    """The 16-bit GEMM with fp32 accumulation is the fp32 GEMM of the same values up to the
+    order of the sum: errors at fp32 rounding level, and the same experts chosen."""
+    from moeserve.layers.gate import router_logits
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    hidden = torch.randn(4096, 7168, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(256, 7168, device="cuda", generator=gen) / 7168**0.5).to(dtype)
+    logits = router_logits(hidden, weight)
+    ref = F.linear(hidden.double(), weight.double())
+    assert logits.dtype == torch.float32
+    assert ((logits.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5  # a bf16 result would be ~4e-3
+    fp32 = F.linear(hidden.float(), weight.float())
+    same = (logits.topk(8).indices.sort().values == fp32.topk(8).indices.sort().values).all(1)
+    assert same.float().mean().item() > 0.999  # only exact near-ties may order differently
+
+
+@gpu
 def test_public_functions_dispatch_to_triton_gpu() -> None:
     """The ``kernels/`` entry points run Triton on CUDA tensors and the references under "torch"."""
     from moeserve.kernels import activation, fp8, norm, rope, routing

@@ -67,6 +67,11 @@ def _interpreter_cases() -> dict[str, tuple]:
     for tag, cfg in (("", small), ("_persistent", dict(small, ctas_per_sm=1)), ("_group2", dict(small, GROUP_M=2)),
                      ("_bk32", dict(small, BLOCK_K=32, BLOCK_N=64)), ("_default", None)):
         cases[f"contiguous_fp16{tag}"] = (lambda cfg=cfg: (tg.grouped_gemm_contiguous(x, w, seg, config=cfg), ref), 2e-3)
+    # through tensor descriptors (w packed, as the copy engine needs; x keeps its row stride)
+    w_packed = w.contiguous()
+    for tag, cfg in (("", dict(small, TMA=1)), ("_ws", dict(small, TMA=1, WS=1, ctas_per_sm=1))):
+        cases[f"contiguous_fp16_tma{tag}"] = (
+            lambda cfg=cfg: (tg.grouped_gemm_contiguous(x, w_packed, seg, config=cfg), ref), 2e-3)
     late = torch.tensor([3, 10, 10, 30])  # rows before seg_indptr[0] are zero too
     cases["contiguous_fp16_late_start"] = (
         lambda: (tg.grouped_gemm_contiguous(x, w[:3], late, config=small),
@@ -85,6 +90,9 @@ def _interpreter_cases() -> dict[str, tuple]:
                      ("_bn256", dict(fp8_small, BLOCK_N=256)), ("_default", None)):
         cases[f"contiguous_fp8{tag}"] = (
             lambda cfg=cfg: (tg.grouped_gemm_contiguous(xq, wq, seg8, xs, ws, torch.float32, config=cfg), ref8), 1e-5)
+    cases["contiguous_fp8_tma"] = (
+        lambda: (tg.grouped_gemm_contiguous(xq, wq, seg8, xs, ws, torch.float32, config=dict(fp8_small, TMA=1)), ref8),
+        1e-5)
     cases["contiguous_fp8_fp16_out"] = (
         lambda: (tg.grouped_gemm_contiguous(xq, wq, seg8, xs, ws, torch.float16, config=fp8_small), ref8), 2e-3)
 
@@ -95,6 +103,8 @@ def _interpreter_cases() -> dict[str, tuple]:
     refm = grouped_gemm_masked_ref(xm.float(), wm.float(), masked_m)
     cases["masked_fp16"] = (lambda: (tg.grouped_gemm_masked(xm, wm, masked_m, config=small), refm), 2e-3)
     cases["masked_fp16_default"] = (lambda: (tg.grouped_gemm_masked(xm, wm, masked_m), refm), 2e-3)
+    cases["masked_fp16_tma"] = (lambda: (tg.grouped_gemm_masked(xm, wm, masked_m, config=dict(small, TMA=1)), refm),
+                                2e-3)
     xmq, xms = per_token_group_quant_fp8(torch.randn(3, 20, 160))
     wmq, wms = wq[:3], ws[:3]
     refm8 = grouped_gemm_masked_ref(xmq, wmq, masked_m.long(), xms, wms, out_dtype=torch.float32)
@@ -110,6 +120,9 @@ def _interpreter_cases() -> dict[str, tuple]:
         cases[f"dense_fp8_split{split}"] = (
             lambda split=split: (tg.fp8_block_gemm(xd, xds, wd, wds, torch.float32,
                                                    config=dict(fp8_small, SPLIT_K=split)), refd), 1e-5)
+    cases["dense_fp8_split3_tma"] = (
+        lambda: (tg.fp8_block_gemm(xd, xds, wd, wds, torch.float32, config=dict(fp8_small, SPLIT_K=3, TMA=1)), refd),
+        1e-5)
     cases["dense_fp8_default"] = (lambda: (tg.fp8_block_gemm(xd, xds, wd, wds, torch.float32), refd), 1e-5)
 
     # no rows at all: every row is padding
@@ -152,7 +165,8 @@ _INTERPRETER_CASES = [
     ("contiguous_fp8_bn256", 1e-5), ("contiguous_fp8_default", 1e-5), ("contiguous_fp8_fp16_out", 2e-3),
     ("masked_fp16", 2e-3), ("masked_fp16_default", 2e-3), ("masked_fp8", 1e-5),
     ("dense_fp8_split1", 1e-5), ("dense_fp8_split3", 1e-5), ("dense_fp8_default", 1e-5),
-    ("contiguous_all_padding", 0.0),
+    ("contiguous_all_padding", 0.0), ("contiguous_fp16_tma", 2e-3), ("contiguous_fp16_tma_ws", 2e-3),
+    ("contiguous_fp8_tma", 1e-5), ("masked_fp16_tma", 2e-3), ("dense_fp8_split3_tma", 1e-5),
 ]
 
 
@@ -171,6 +185,23 @@ def test_interpreter(interpreter_results: dict[str, object], name: str, tol: flo
 def test_interpreter_covers_every_case() -> None:
     pytest.importorskip("triton")
     assert sorted(_interpreter_cases()) == sorted(name for name, _ in _INTERPRETER_CASES)
+
+
+def test_tma_descriptors_only_for_operands_the_copy_engine_takes() -> None:
+    """The TMA cases above test the kernel only if their operands really go through descriptors;
+    operands the copy engine cannot take fall back to pointer loads instead of failing."""
+    pytest.importorskip("triton")
+    from moeserve.kernels.triton import gemm as tg
+
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
+    x = torch.randn(52, 48, dtype=torch.float16)[:, :40]
+    w = torch.randn(5, 48, 40, dtype=torch.float16)
+    assert tg._tma_descriptors(x[None], w[:, :44].contiguous(), cfg) is not None
+    assert tg._tma_descriptors(torch.randn(3, 20, 40, dtype=torch.float16), w, cfg) is not None  # masked batches
+    assert tg._tma_descriptors(x[None], w[:, :44], cfg) is None  # experts not back to back
+    odd_rows = torch.randn(52, 41, dtype=torch.float16)[:, :40]  # rows 82 bytes apart
+    assert tg._tma_descriptors(odd_rows[None], w, cfg) is None
+    assert tg._tma_descriptors(x[None], w, dict(cfg, BLOCK_K=4)) is None  # an 8-byte box row
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -218,6 +249,9 @@ GPU_CONTIGUOUS = [
     (8, 300, False, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "ctas_per_sm": 1}),
     (8, 300, True, {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}),
     (16, 3, True, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 6, "ctas_per_sm": 4}),
+    (8, 300, False, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": 1}),
+    (8, 300, True, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "TMA": 1}),
+    (16, 3, False, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "TMA": 1}),
 ]
 
 

@@ -111,7 +111,7 @@ def _cfg_str(cfg: dict | None) -> str:
     if cfg is None:
         return "default"
     short = {"BLOCK_M": "M", "BLOCK_N": "N", "BLOCK_K": "K", "GROUP_M": "G", "num_warps": "w",
-             "num_stages": "s", "ctas_per_sm": "ctas", "SPLIT_K": "split"}
+             "num_stages": "s", "ctas_per_sm": "ctas", "SPLIT_K": "split", "TMA": "tma", "WS": "ws"}
     return " ".join(f"{short[k]}{v}" for k, v in cfg.items())
 
 
@@ -127,12 +127,19 @@ FP8_LARGE = [
     _cfg(128, 64, 128, 4, 4), _cfg(64, 256, 128, 8, 4), _cfg(64, 128, 128, 8, 4),
     _cfg(128, 128, 128, 8, 4, GROUP_M=16), _cfg(64, 128, 128, 4, 4, GROUP_M=16),
     _cfg(128, 128, 128, 8, 4, ctas_per_sm=1), _cfg(64, 128, 128, 4, 4, ctas_per_sm=2),
+    # operand tiles through tensor descriptors (TMA), then also warp-specialised
+    _cfg(128, 128, 128, 8, 3, TMA=1), _cfg(128, 128, 128, 8, 4, TMA=1), _cfg(128, 128, 128, 8, 5, TMA=1),
+    _cfg(64, 128, 128, 4, 4, TMA=1), _cfg(128, 128, 128, 8, 4, TMA=1, ctas_per_sm=1),
+    _cfg(128, 128, 128, 8, 4, TMA=1, WS=1), _cfg(128, 128, 128, 4, 4, TMA=1, WS=1),
 ]
 BF16_LARGE = [
     _cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 4), _cfg(256, 128, 64, 8, 3), _cfg(256, 128, 64, 8, 4),
     _cfg(128, 128, 64, 4, 4), _cfg(128, 128, 64, 8, 4), _cfg(128, 128, 64, 8, 5), _cfg(128, 128, 128, 8, 3),
     _cfg(64, 256, 64, 4, 4), _cfg(128, 256, 64, 8, 3, GROUP_M=16), _cfg(128, 256, 64, 8, 3, ctas_per_sm=1),
     _cfg(128, 128, 64, 4, 4, ctas_per_sm=2),
+    _cfg(128, 256, 64, 8, 3, TMA=1), _cfg(128, 256, 64, 8, 4, TMA=1), _cfg(128, 128, 64, 8, 4, TMA=1),
+    _cfg(256, 128, 64, 8, 3, TMA=1), _cfg(64, 256, 64, 4, 4, TMA=1), _cfg(128, 256, 64, 8, 3, TMA=1, ctas_per_sm=1),
+    _cfg(128, 256, 64, 8, 3, TMA=1, WS=1), _cfg(128, 128, 64, 4, 4, TMA=1, WS=1),
 ]
 BF16_DECODE = [
     _cfg(16, 128, 128, 4, 3), _cfg(16, 128, 128, 4, 4), _cfg(16, 64, 256, 4, 3), _cfg(16, 64, 128, 4, 5),
@@ -244,7 +251,8 @@ def _builders() -> list[tuple[str, Callable[[_WeightCache], Shape]]]:
             name = f"grouped masked {dt} decode {proj} E{EP_LOCAL} Mmax{LL_TOKENS * EP_RANKS}"
             out.append((name, lambda c, name=name, fp8=fp8, n=n, k=k: _masked_shape(
                 name, c, n, k, fp8, FP8_MASKED if fp8 else BF16_MASKED)))
-    for m, n, k, candidates in ((PREFILL_ROWS, *W13, FP8_LARGE[:9]), (64, Q_KV_A, HIDDEN, FP8_DENSE_DECODE)):
+    dense_large = FP8_LARGE[:9] + [c for c in FP8_LARGE if c.get("TMA")][:4]
+    for m, n, k, candidates in ((PREFILL_ROWS, *W13, dense_large), (64, Q_KV_A, HIDDEN, FP8_DENSE_DECODE)):
         name = f"fp8_block_gemm{' decode' if m < 128 else ''} M{m} N{n} K{k}"
         out.append((name, lambda c, name=name, m=m, n=n, k=k, cands=candidates: _dense_shape(name, m, n, k, cands)))
     return out

@@ -185,21 +185,57 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _decode_candidates(shape: DecodeShape) -> list[dict]:
     """Tile shapes, tried with the default split count (``_sweep_decode`` then varies the splits
-    of the best three). Configs that fail to compile or launch are reported and skipped."""
+    of the best three). Configs that fail to compile or launch are reported and skipped; ``WS``
+    asks Triton 3.5+ to warp-specialise the key loop (it may refuse gathered loads on Hopper)."""
+    off = {"LAZY_RESCALE": False, "WS": False}
     if shape.heads >= 64:
-        tiles = [{"BLOCK_H": 64, "BLOCK_N": n, "num_warps": 8, "num_stages": s, "LAZY_RESCALE": lazy}
+        tiles = [{"BLOCK_H": 64, "BLOCK_N": n, "num_warps": 8, "num_stages": s, "LAZY_RESCALE": lazy, "WS": False}
                  for n, s, lazy in itertools.product((32, 64), (1, 2, 3), (False, True))]
-        tiles += [{"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "LAZY_RESCALE": False},
-                  {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "LAZY_RESCALE": False},
-                  {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "LAZY_RESCALE": False}]
+        tiles += [{"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **off},
+                  {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **off},
+                  {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, **off},
+                  {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "LAZY_RESCALE": False, "WS": True},
+                  {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "LAZY_RESCALE": True, "WS": True}]
     else:  # [16, 576] query operands sit in registers (mma.sync): 64-row tiles spill at 4 warps
-        tiles = [{"BLOCK_H": 16, "BLOCK_N": n, "num_warps": w, "num_stages": s, "LAZY_RESCALE": False}
+        tiles = [{"BLOCK_H": 16, "BLOCK_N": n, "num_warps": w, "num_stages": s, **off}
                  for n, w, s in itertools.product((16, 32, 64), (4, 8), (2, 3, 4)) if n < 64 or w == 8]
+        tiles += [{"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 2, "num_stages": s, **off} for s in (2, 3)]
+        tiles += [{"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "LAZY_RESCALE": True, "WS": False},
+                  {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "LAZY_RESCALE": False, "WS": True}]
     return tiles
 
 
 def _decode_splits(shape: DecodeShape) -> tuple[int, ...]:
-    return (1, 2, 4, 8) if shape.heads >= 64 and shape.batch >= 32 else (2, 4, 8, 16, 32)
+    return (1, 2, 4, 8) if shape.heads >= 64 and shape.batch >= 32 else (2, 4, 8, 16, 32, 64)
+
+
+def _gather_ceiling(shape: DecodeShape, inp: dict) -> None:
+    """Print the read bandwidth of the decode kernel's row gather alone, and of one contiguous
+    read of the same cache, beside the copy bandwidth: how far the memory-bound case can go."""
+    from moeserve.bench.kernel_cases.gather_probe import gather_read_kernel
+    from moeserve.bench.kernels import copy_gbps
+
+    cache, indices = inp["kv_cache"], inp["kv_indices"]
+    row = cache.shape[1]
+    nbytes = shape.batch * shape.context * (row * cache.element_size() + indices.element_size())
+    print(f"{shape.name:44s} copy {copy_gbps(2**28, iters=10):.0f} GB/s; contiguous read (torch.sum) "
+          f"{cache.numel() * cache.element_size() / time_ms(lambda: cache.sum(dtype=torch.float32)) / 1e6:.0f} GB/s",
+          flush=True)
+    for block_n, warps, stages, splits in itertools.product((16, 32, 64), (4, 8), (2, 3, 4), (8, 32)):
+        chunk = -(-shape.context // splits // block_n) * block_n
+        out = torch.empty(shape.batch * splits * row, device=cache.device)
+
+        def run(block_n=block_n, warps=warps, stages=stages, splits=splits, chunk=chunk, out=out):
+            gather_read_kernel[(shape.batch, splits)](cache, indices, out, shape.context, chunk, cache.stride(0),
+                                                      LATENT=LATENT, ROPE=ROPE, BLOCK_N=block_n,
+                                                      num_warps=warps, num_stages=stages)
+        try:
+            ms = time_ms(run, warmup=2, iters=10)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
+            print(f"{shape.name:44s} gather N{block_n} w{warps} s{stages} splits{splits}: {type(e).__name__}")
+            continue
+        print(f"{shape.name:44s} gather-read N{block_n} w{warps} s{stages} splits{splits} {ms:8.4f} ms "
+              f"{nbytes / ms / 1e6:6.0f} GB/s", flush=True)
 
 
 def _extend_candidates() -> list[dict]:
@@ -253,6 +289,8 @@ def _sweep_decode(shape: DecodeShape, device: str = "cuda") -> tuple[float, dict
     def run(cfg: dict) -> torch.Tensor:
         return triton_mla.mla_decode(**inp, config=cfg)
 
+    if shape.heads < 64:
+        _gather_ceiling(shape, inp)
     tiles = [{**t, "num_kv_splits": base["num_kv_splits"]} for t in _decode_candidates(shape)]
     best_tiles = _sweep_configs(shape.name, run, ref, tiles, shape.flops, shape.bytes, 2e-2)[:3]
     splits = [{**cfg, "num_kv_splits": s} for _, cfg in best_tiles for s in _decode_splits(shape)
@@ -279,7 +317,35 @@ def _sweep_extend(shape: ExtendShape, device: str = "cuda") -> tuple[float, dict
         sdpa_ms = time_ms(sdpa, warmup=3, iters=10)
         print(f"{shape.name:44s} {'torch sdpa (v padded)':95s} {sdpa_ms:8.4f} "
               f"{shape.flops / sdpa_ms / 1e9:7.1f} TF/s", flush=True)
+    if shape.prefix == 0:
+        for name, fn in _sdpa_variants(inp, shape):
+            ms, note = _try(fn, ref, 2e-2)
+            print(f"{shape.name:44s} {name:95s} {'-' if ms is None else f'{ms:8.4f}'} "
+                  f"{'' if ms is None else f'{shape.flops / ms / 1e9:7.1f} TF/s'} {note}", flush=True)
     return timed[0] if timed else None
+
+
+def _sdpa_variants(inp: dict, shape: ExtendShape) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+    """Whole-prompt attention through torch SDPA, ``[T, H, Dv]`` in and out as the layer needs it
+    (layout changes and padding counted): the engine's flash path (v padded to the qk dim), then
+    each SDPA backend given v as it is (128 wide against 192-wide q and k)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from moeserve.kernels.mla import _extend_flash
+
+    q, k, v, scale = inp["q"], inp["k"], inp["v"], inp["scale"]
+    n_seqs, n_tokens, heads = shape.seqs, q.shape[0], shape.heads
+    batched = lambda t: t.view(n_seqs, n_tokens // n_seqs, heads, t.shape[-1]).transpose(1, 2)
+
+    def unpadded(backend: SDPBackend) -> torch.Tensor:
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=scale)
+        return out.transpose(1, 2).reshape(n_tokens, heads, v.shape[-1])
+
+    variants = [("engine flash path (v padded, output sliced)", lambda: _extend_flash(q, k, v, n_seqs, scale))]
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        variants.append((f"sdpa {backend.name.lower()}, v unpadded", lambda b=backend: unpadded(b)))
+    return variants
 
 
 def sweep(only: str | None = None) -> dict[str, dict]:

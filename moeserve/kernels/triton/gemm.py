@@ -39,7 +39,10 @@ ZERO_M, ZERO_N = 64, 128
 
 # Launch configs. Keys of a config dict (all optional in an override): BLOCK_M, BLOCK_N, BLOCK_K,
 # GROUP_M, num_warps, num_stages, ctas_per_sm (0: one program per work item; n: a persistent grid
-# of n programs per SM) and SPLIT_K (dense layout only). Starting points for Hopper; re-tune with
+# of n programs per SM), SPLIT_K (dense layout only), TMA (1: operand tiles through tensor
+# descriptors, Hopper's copy engine; falls back to pointer loads where the operands do not allow
+# it) and WS (1, with TMA: ask Triton to warp-specialise the K loop). Starting points for Hopper; re-tune
+# with
 # ``moeserve.bench.kernel_cases.gemm.sweep()``.
 _LARGE = {  # many rows per expert: compute bound
     "fp8": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
@@ -53,7 +56,8 @@ _SMALL = {  # a few rows per expert: bound by reading the weights once; BLOCK_M 
 }
 _LARGE_ROWS = 128  # mean rows per expert from which the compute-bound config wins
 _MASKED_CTAS_PER_SM = 2
-_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "ctas_per_sm", "SPLIT_K")
+_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "ctas_per_sm", "SPLIT_K",
+                "TMA", "WS")
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -159,13 +163,32 @@ def _mma_loop(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, K, stride_xsk, strid
 
 
 @triton.jit
+def _mma_loop_tma(a_desc, b_desc, a_row, b_row, as_ptrs, bs_ptrs, k_lo, k_hi, stride_xsk, stride_wsk,
+                  FP8: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, WS: tl.constexpr):
+    """``_mma_loop`` with tiles copied by the tensor-memory accelerator: ``a_desc`` over x as
+    ``[rows, K]``, ``b_desc`` over w as ``[E * N, K]``; the tile at row ``a_row`` / ``b_row`` of
+    step ``kk``. The copy engine fills what lies past the tensors' ends (K's tail included) with
+    zeros, so no step needs a mask; rows that run into the next expert's are dropped by the store.
+    ``WS`` asks Triton to warp-specialise the loop (loads and MMAs in different warps)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in tl.range(k_lo, k_hi, warp_specialize=WS):
+        a = a_desc.load([a_row, kk * BLOCK_K])
+        b = b_desc.load([b_row, kk * BLOCK_K])
+        acc = _accumulate(acc, a, b.T, as_ptrs, bs_ptrs, kk, stride_xsk, stride_wsk, FP8, IEEE, BLOCK_N, BLOCK_K)
+    return acc
+
+
+@triton.jit
 def _live_tile(t, offs_e, work_end, work, lo, cnt, num_n,
-               x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, N, K,
+               x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, a_desc, b_desc, batch_rows, N, K,
                stride_xe, stride_xm, stride_we, stride_wn, stride_oe, stride_om, stride_os,
                stride_xse, stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk,
                FP8: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Compute and store output tile ``t`` of the live work list."""
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+               TMA: tl.constexpr, WS: tl.constexpr):
+    """Compute and store output tile ``t`` of the live work list (``batch_rows``: rows per batch
+    of x seen as one 2-D tensor, for the TMA path)."""
     e = tl.sum((work_end <= t).to(tl.int32), 0)  # the expert whose items hold t
     local = t - _pick(offs_e, e, work_end - work)
     rows = _pick(offs_e, e, cnt)
@@ -197,8 +220,14 @@ def _live_tile(t, offs_e, work_end, work, lo, cnt, num_n,
         bs_ptrs = ws_ptr + e64 * stride_wse + (n0 // _SCALE) * stride_wsn
     else:
         bs_ptrs = ws_ptr + e64 * stride_wse + ((n0 + n_in) // _SCALE) * stride_wsn
-    acc = _mma_loop(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, K, stride_xsk, stride_wsk,
-                    FP8, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if TMA:
+        a_row = (e64 * batch_rows + row0).to(tl.int32)
+        b_row = (e64 * N + n0).to(tl.int32)
+        acc = _mma_loop_tma(a_desc, b_desc, a_row, b_row, as_ptrs, bs_ptrs, k_lo, k_hi, stride_xsk, stride_wsk,
+                            FP8, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, WS)
+    else:
+        acc = _mma_loop(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, K, stride_xsk, stride_wsk,
+                        FP8, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
     mask = (offs_m < rows - m_blk * BLOCK_M)[:, None] & (offs_n < N - n0)[None, :]
     c_base = out_ptr + split.to(tl.int64) * stride_os + e64 * stride_oe + row0.to(tl.int64) * stride_om
@@ -222,15 +251,16 @@ def _zero_tile(z, offs_e, zwork_end, ztiles, zlo, zcnt, out_ptr, N, stride_oe, s
         tl.store(base + cols[None, :], zeros, mask=mask_m[:, None] & (cols < N)[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "E"])
+@triton.jit(do_not_specialize=["M", "E", "batch_rows"])
 def _grouped_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, seg_ptr,
-    M, N, K, E,
+    x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, seg_ptr, a_desc, b_desc,
+    M, N, K, E, batch_rows,
     stride_xe, stride_xm, stride_we, stride_wn, stride_oe, stride_om, stride_os,
     stride_xse, stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk,
     LAYOUT: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     E_POW2: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ZERO_M: tl.constexpr, ZERO_N: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr,
 ):
     """``out[rows of e] = x[rows of e] @ w[e].T`` for every expert ``e``, zeros elsewhere.
 
@@ -252,10 +282,10 @@ def _grouped_gemm_kernel(
     # the pipelined K-loop sits in a plain loop rather than under a branch.
     for t in range(pid, live, nprog):
         _live_tile(t, offs_e, work_end, work, lo, cnt, num_n,
-                   x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, N, K,
+                   x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, a_desc, b_desc, batch_rows, N, K,
                    stride_xe, stride_xm, stride_we, stride_wn, stride_oe, stride_om, stride_os,
                    stride_xse, stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk,
-                   FP8, IEEE, EVEN_K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                   FP8, IEEE, EVEN_K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, WS)
     first_zero = live + (pid + nprog - live % nprog) % nprog  # the first item >= live that is ours
     for t in range(first_zero, total, nprog):
         _zero_tile(t - live, offs_e, zwork_end, ztiles, zlo, zcnt, out_ptr, N, stride_oe, stride_om,
@@ -277,8 +307,8 @@ def _block_m_for(rows: float) -> int:
 def _by_rows(dtype: torch.dtype, rows: float) -> dict:
     kind = _kind(dtype)
     if rows >= _LARGE_ROWS:
-        return dict(_LARGE[kind], ctas_per_sm=0, SPLIT_K=1)
-    return dict(_SMALL[kind], BLOCK_M=_block_m_for(rows), ctas_per_sm=0, SPLIT_K=1)
+        return dict(_LARGE[kind], ctas_per_sm=0, SPLIT_K=1, TMA=0, WS=0)
+    return dict(_SMALL[kind], BLOCK_M=_block_m_for(rows), ctas_per_sm=0, SPLIT_K=1, TMA=0, WS=0)
 
 
 def contiguous_config(m: int, num_experts: int, n: int, k: int, dtype: torch.dtype) -> dict:
@@ -318,6 +348,8 @@ def _resolve(default: dict, override: dict | None, fp8: bool, layout: int) -> di
         raise ValueError(f"fp8 needs BLOCK_K dividing {SCALE_BLOCK} (one scale per K-step), got {cfg['BLOCK_K']}")
     if cfg["SPLIT_K"] != 1 and layout != _DENSE:
         raise ValueError("SPLIT_K applies to fp8_block_gemm only")
+    if cfg["WS"] and not cfg["TMA"]:
+        raise ValueError("WS (warp specialisation) needs TMA")
     return cfg
 
 
@@ -387,21 +419,46 @@ def _launch(layout: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, x_
     else:  # unused pointers; any tensor of the call will do
         xs, ws = x, w
         xs_strides = ws_strides = (0, 0, 0)
+    descs = _tma_descriptors(x, w, cfg) if cfg["TMA"] else None
     cap = _sm_count(x.device) * cfg["ctas_per_sm"] if cfg["ctas_per_sm"] > 0 else bound
     grid = (max(1, min(bound, cap)),)
     if rows >= 2**31 or n >= 2**31:
         raise ValueError("row and column counts must fit in int32")
     _grouped_gemm_kernel[grid](
-        x, w, out, xs, ws, index,
-        rows, n, k, num_e,
+        x, w, out, xs, ws, index, *(descs or (x, w)),
+        rows, n, k, num_e, rows if batched else 0,
         x.stride(0) if batched else 0, x.stride(1), w.stride(0), w.stride(1),
         out.stride(1) if batched else 0, out.stride(2), out.stride(0),
         *xs_strides, *ws_strides,
         LAYOUT=layout, FP8=fp8, IEEE=x.dtype == torch.float32, EVEN_K=k % cfg["BLOCK_K"] == 0,
         E_POW2=max(16, triton.next_power_of_2(num_e)), SPLIT_K=cfg["SPLIT_K"],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        ZERO_M=ZERO_M, ZERO_N=ZERO_N, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ZERO_M=ZERO_M, ZERO_N=ZERO_N, TMA=descs is not None, WS=bool(cfg["WS"]) and descs is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def _tma_descriptors(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> tuple | None:
+    """Tensor descriptors of ``x [B, rows, K]`` as ``[B * rows, K]`` and ``w [E, N, K]`` as
+    ``[E * N, K]``, or None where the copy engine cannot take them: not a Hopper-or-later GPU
+    (the interpreter takes them too), rows not 16-byte aligned, batches not back to back."""
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
+        return None
+    if x.numel() == 0 or w.numel() == 0:
+        return None
+    b, rows, k = x.shape
+    e, n, _ = w.shape
+    elt = x.element_size()
+    aligned = all(p % 16 == 0 for p in (x.data_ptr(), w.data_ptr(), x.stride(1) * elt, w.stride(1) * elt))
+    packed = (b == 1 or x.stride(0) == rows * x.stride(1)) and (e == 1 or w.stride(0) == n * w.stride(1))
+    if not (aligned and packed and cfg["BLOCK_K"] * elt >= 16 and max(cfg["BLOCK_M"], cfg["BLOCK_N"]) <= 256):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a2d = x.as_strided((b * rows, k), (x.stride(1), 1))
+    b2d = w.as_strided((e * n, k), (w.stride(1), 1))
+    return (TensorDescriptor.from_tensor(a2d, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
+            TensorDescriptor.from_tensor(b2d, [cfg["BLOCK_N"], cfg["BLOCK_K"]]))
 
 
 def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor,

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-DECODE_CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "num_kv_splits", "LAZY_RESCALE"})
+DECODE_CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "num_kv_splits", "LAZY_RESCALE",
+                                "WS"})
 EXTEND_CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"})
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -49,7 +50,7 @@ def _mla_decode_split_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, WS: tl.constexpr,
 ):
     """One (head block, sequence, split): softmax-weighted latent over the split's tokens.
 
@@ -79,7 +80,7 @@ def _mla_decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-    for n in tl.range(lo, hi, BLOCK_N):
+    for n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):  # WS: Triton's warp specialisation
         offs_n = n + tl.arange(0, BLOCK_N)
         tok_ok = offs_n < hi
         slots = tl.load(kv_indices + kv_start + offs_n, mask=tok_ok, other=0).to(tl.int64)
@@ -180,6 +181,7 @@ def decode_config(batch: int, num_heads: int, row_bytes: int, device: torch.devi
         cfg = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
         waves = 4
     cfg["LAZY_RESCALE"] = False
+    cfg["WS"] = False
     programs = triton.cdiv(num_heads, cfg["BLOCK_H"]) * max(batch, 1)
     cfg["num_kv_splits"] = min(32, max(1, round(waves * _num_sms(device) / programs)))
     return cfg
@@ -285,7 +287,7 @@ def _decode_splits(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch
         LATENT=latent_dim, ROPE=rope_dim, BLOCK_L=_dot_block(latent_dim), BLOCK_R=_dot_block(rope_dim),
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         SINGLE_SPLIT=splits == 1, LAZY_RESCALE=cfg["LAZY_RESCALE"], DOT_PRECISION=_dot_precision(q_latent.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        WS=bool(cfg["WS"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
