@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.distributed.groups import Group
+from moeserve.kernels.combine import topk_weighted_sum
 
 
 @dataclass
@@ -111,25 +112,18 @@ class LocalDispatcher(Dispatcher):
         return pending
 
     def combine_a(self, expert_out, handle):
-        return weighted_topk_sum(unsort_rows(expert_out, handle.order, handle.topk_weights.shape), handle.topk_weights)
+        return topk_weighted_sum(expert_out, handle.topk_weights, topk_positions(handle.order))
 
     def combine_b(self, pending):
         return pending
 
 
-def unsort_rows(rows: torch.Tensor, order: torch.Tensor, topk_shape: torch.Size) -> torch.Tensor:
-    """``rows [T * k, D]`` where row ``j`` belongs to flat (token, choice) ``order[j]`` ->
-    ``[T, k, D]`` in (token, choice) order, by a gather (no scatter, no atomics)."""
-    position = torch.empty_like(order)  # where each (token, choice) row went
+def topk_positions(order: torch.Tensor) -> torch.Tensor:
+    """``order [T * k]`` (row ``j`` holds flat (token, choice) ``order[j]``) -> where each flat
+    (token, choice) row sits: the ``position`` argument of ``topk_weighted_sum``."""
+    position = torch.empty_like(order)
     position[order] = torch.arange(order.shape[0], device=order.device)
-    return rows.index_select(0, position).view(*topk_shape, rows.shape[-1])
-
-
-def weighted_topk_sum(rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """``rows [T, k, D]`` (each token's expert outputs), ``topk_weights [T, k]`` -> ``[T, D]``
-    in rows' dtype: the weighted sum as one batched GEMM, the same arithmetic for every
-    dispatcher, with no atomics."""
-    return torch.bmm(topk_weights.to(rows.dtype).unsqueeze(1), rows).squeeze(1)
+    return position
 
 
 DISPATCH_MODES = ("none", "normal", "low_latency")

@@ -11,7 +11,7 @@ hidden size ``D``, ``C = max_dispatch_tokens_per_rank``.
   shape known ahead, no host sync, so a CUDA graph can capture it; masked layout.
 
 Both apply the routing weights on the source rank with ``LocalDispatcher``'s arithmetic
-(``weighted_topk_sum``), so a token's output matches the single-rank engine's to rounding of
+(``kernels.combine.topk_weighted_sum``), so a token's output matches the single-rank engine's to rounding of
 the expert GEMMs.
 """
 
@@ -26,10 +26,10 @@ from moeserve.distributed.dispatcher import (
     Dispatcher,
     DispatchOutput,
     MaskedDispatchOutput,
-    unsort_rows,
-    weighted_topk_sum,
+    topk_positions,
 )
 from moeserve.distributed.groups import Group
+from moeserve.kernels.combine import topk_weighted_sum
 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, ep: Group, out_splits: list[int] | None = None,
@@ -156,8 +156,7 @@ class TorchNormalDispatcher(Dispatcher):
         """-> ``[T, D]`` in ``expert_out``'s dtype: ``sum_k topk_weights[t, k] * expert_k(hidden[t])``."""
         _wait(pending.work)
         handle = pending.handle  # pending.recv [S, D], rows in the order they were sent
-        return weighted_topk_sum(unsort_rows(pending.recv, handle.order, handle.topk_weights.shape),
-                                 handle.topk_weights)
+        return topk_weighted_sum(pending.recv, handle.topk_weights, topk_positions(handle.order))
 
 
 def _layout_rows(recv_counts: torch.Tensor, seg_indptr: torch.Tensor, num_recv: int) -> torch.Tensor:
@@ -266,6 +265,6 @@ class TorchLowLatencyDispatcher(Dispatcher):
         """-> ``[T, D]`` in ``expert_out``'s dtype: ``sum_k topk_weights[t, k] * expert_k(hidden[t])``."""
         _wait(pending.work)
         handle = pending.handle
-        n, e_local, cap, dim = pending.recv.shape
-        rows = pending.recv.view(n * e_local, cap, dim)[handle.topk_ids, handle.slots]  # [T, k, D]
-        return weighted_topk_sum(rows, handle.topk_weights)
+        cap, dim = pending.recv.shape[2:]
+        position = (handle.topk_ids * cap + handle.slots).flatten()  # rows of recv as [N * E_local * C, D]
+        return topk_weighted_sum(pending.recv.view(-1, dim), handle.topk_weights, position)

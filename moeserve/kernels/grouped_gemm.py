@@ -49,14 +49,18 @@ def grouped_gemm_contiguous(
     return grouped_gemm_contiguous_ref(x, w, seg_indptr, x_scale, w_scale, out_dtype)
 
 
-# From this many rows per expert on, bf16 grouped GEMMs are compute-bound, and cuBLAS's grouped
-# GEMM (torch._grouped_mm) ran ~1.1x faster than our Triton kernel on the H200; below it the
-# Triton kernel streams the weights at copy bandwidth, which cuBLAS does not.
+# From this many rows per expert on, bf16 grouped GEMMs are compute-bound. There cuBLAS's grouped
+# GEMM (torch._grouped_mm) ran ~1.1x faster than our Triton kernel with pointer loads on the
+# H200; with its tiles loaded by TMA (Hopper on) ours ran as fast or faster (docs/benchmarks.md),
+# so cuBLAS takes only GPUs without TMA. Below this the Triton kernel streams the weights at copy
+# bandwidth, which cuBLAS does not.
 CUBLAS_MIN_ROWS_PER_EXPERT = 128
 
 
 def _cublas_wins(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None,
                  out_dtype: torch.dtype | None) -> bool:
+    if torch.cuda.get_device_capability(x.device) >= (9, 0):
+        return False
     return (hasattr(torch, "_grouped_mm") and x_scale is None and x.dtype == torch.bfloat16
             and w.dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16) and x.is_contiguous()
             and x.shape[0] >= CUBLAS_MIN_ROWS_PER_EXPERT * w.shape[0] and x.shape[-1] % 8 == 0)

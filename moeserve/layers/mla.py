@@ -77,7 +77,7 @@ class MLA(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_rope = inputs.q_rope
-        q_rope.copy_(apply_rope(q_rope, cos, sin, self.interleave))  # q is our own fresh projection
+        apply_rope(q_rope, cos, sin, self.interleave, out=q_rope)  # in place: q is our own fresh projection
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin, self.interleave).squeeze(1)
         batch.kv_pool.write(self.layer_id, batch.out_cache_loc, latent, k_rope)
         return inputs

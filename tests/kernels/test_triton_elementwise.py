@@ -105,6 +105,11 @@ def check_apply_rope(device: str, dtype: torch.dtype, n_tokens: int, n_heads: in
     assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
     assert _rel(out, ref) < REL_TOL[dtype]
     assert _rel(out, apply_rope_ref(x, cos, sin, interleave)) < 2 * REL_TOL[dtype]
+    # in place, into the strided slice itself; the rest of q untouched
+    rest = q[..., :head_dim - rope_dim].clone()
+    assert rope.apply_rope(x, cos, sin, interleave, out=x, config=config or None).data_ptr() == x.data_ptr()
+    assert torch.equal(x, out)
+    assert torch.equal(q[..., :head_dim - rope_dim], rest)
 
 
 def check_per_token_group_quant(device: str, dtype: torch.dtype, lead: tuple[int, ...], k: int,
@@ -185,6 +190,26 @@ def check_select_experts(device: str, n_tokens: int, n_experts: int, top_k: int,
 
 # --- GPU tests ------------------------------------------------------------------------------------
 
+def check_topk_weighted_sum(device: str, dtype: torch.dtype, n_tokens: int, k: int, dim: int, shuffled: bool,
+                            pad: int = 0, **config) -> None:
+    """Against an fp64 loop, and equal to the torch reference within one rounding of the dtype."""
+    from moeserve.kernels.combine import topk_weighted_sum_ref
+    from moeserve.kernels.triton import combine
+
+    rows = _rows(n_tokens * k + 3, dim, pad, dtype, device)  # 3 rows nobody picks
+    weights = torch.rand(n_tokens, k, device=device)
+    position = torch.randperm(rows.shape[0], device=device)[:n_tokens * k] if shuffled else None
+    if not shuffled:
+        rows = rows[:n_tokens * k]
+    _poison(device)
+    out = combine.topk_weighted_sum(rows, weights, position, config=config or None)
+    picked = rows.double() if position is None else rows.double()[position]
+    ref = (picked.view(n_tokens, k, dim) * weights.to(dtype).double()[..., None]).sum(1)
+    assert out.shape == (n_tokens, dim) and out.dtype == dtype
+    assert _rel(out, ref) < REL_TOL[dtype]
+    torch.testing.assert_close(out, topk_weighted_sum_ref(rows, weights, position), rtol=REL_TOL[dtype], atol=1e-3)
+
+
 gpu = pytest.mark.gpu
 
 
@@ -250,6 +275,13 @@ def test_select_experts_other_methods_fall_back_gpu(method: str) -> None:
     args = (logits, 6, method, 8, 3, None, False, 1.0)
     for out, ref in zip(routing.select_experts(*args), select_experts_ref(*args)):
         assert torch.equal(out, ref)
+
+
+@gpu
+@pytest.mark.parametrize("n_tokens,k,dim,shuffled", [(8192, 8, 7168, True), (3, 8, 7168, False), (5, 6, 100, True),
+                                                      (0, 8, 64, True)])
+def test_topk_weighted_sum_gpu(n_tokens: int, k: int, dim: int, shuffled: bool) -> None:
+    check_topk_weighted_sum("cuda", torch.bfloat16, n_tokens, k, dim, shuffled)
 
 
 @gpu
@@ -341,6 +373,8 @@ INTERPRETED_CHECKS = {
     "quant_reciprocal": lambda: check_per_token_group_quant("cpu", f16, (3,), 64, 32, DIV_RN=False),
     "select_experts": lambda: check_select_experts("cpu", 6, 32, 4, 4, 2, True, True),
     "select_experts_padded_groups": lambda: check_select_experts("cpu", 4, 18, 3, 3, 2, False, False),
+    "topk_weighted_sum": lambda: check_topk_weighted_sum("cpu", f16, 5, 3, 40, True, pad=8, BLOCK_D=16),
+    "topk_weighted_sum_in_order_fp32": lambda: check_topk_weighted_sum("cpu", f32, 4, 8, 24, False),
 }
 
 

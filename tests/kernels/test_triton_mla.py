@@ -287,8 +287,13 @@ def test_interpreted(interpreted_results: dict[str, object], name: str) -> None:
 
 
 @pytest.mark.gpu
-def test_equal_prompts_without_prefix_take_flash_attention() -> None:
+@pytest.mark.parametrize("cudnn", [True, False])
+def test_equal_prompts_without_prefix_take_flash_attention(cudnn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through cuDNN with v as it is, and through the fallback (flash attention, v padded)."""
+    from moeserve.kernels import mla
     from moeserve.kernels.mla import _flash_fits, extend_attention, extend_attention_ref
+
+    monkeypatch.setattr(mla, "_cudnn_attention_ok", cudnn)
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     n_seqs, n, heads = 3, 97, 16

@@ -44,9 +44,11 @@ ZERO_M, ZERO_N = 64, 128
 # it) and WS (1, with TMA: ask Triton to warp-specialise the K loop). Starting points for Hopper; re-tune
 # with
 # ``moeserve.bench.kernel_cases.gemm.sweep()``.
-_LARGE = {  # many rows per expert: compute bound
-    "fp8": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
-    "16bit": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+_LARGE = {  # many rows per expert: compute bound (TMA and WS apply from Hopper on; the H200 sweep's best)
+    "fp8": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4,
+            "TMA": 1, "WS": 1},
+    "16bit": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
+              "TMA": 1},
     "fp32": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
 }
 _SMALL = {  # a few rows per expert: bound by reading the weights once; BLOCK_M follows the rows
@@ -307,7 +309,7 @@ def _block_m_for(rows: float) -> int:
 def _by_rows(dtype: torch.dtype, rows: float) -> dict:
     kind = _kind(dtype)
     if rows >= _LARGE_ROWS:
-        return dict(_LARGE[kind], ctas_per_sm=0, SPLIT_K=1, TMA=0, WS=0)
+        return dict({"TMA": 0, "WS": 0}, **_LARGE[kind], ctas_per_sm=0, SPLIT_K=1)
     return dict(_SMALL[kind], BLOCK_M=_block_m_for(rows), ctas_per_sm=0, SPLIT_K=1, TMA=0, WS=0)
 
 

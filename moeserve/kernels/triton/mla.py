@@ -168,7 +168,7 @@ def decode_config(batch: int, num_heads: int, row_bytes: int, device: torch.devi
     Wide head blocks (>= 64 heads, so Hopper's 64-row wgmma applies) are compute-bound and
     hold a [64, L] fp32 accumulator, one program per SM: aim for ~1 wave (on the H200, 128
     sequences x 128 heads ran fastest unsplit, 4 long ones with 16 splits). Narrow ones are
-    bandwidth-bound and several fit on an SM: aim for ~4 waves to keep loads in flight.
+    bandwidth-bound and several fit on an SM: aim for ~2 waves.
     Wider rows (fp32, larger latents) get smaller tiles to fit registers and shared memory.
     """
     if row_bytes > 1152:
@@ -177,10 +177,10 @@ def decode_config(batch: int, num_heads: int, row_bytes: int, device: torch.devi
     elif num_heads >= 64:
         cfg = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
         waves = 1
-    else:
-        cfg = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
-        waves = 4
-    cfg["LAZY_RESCALE"] = False
+    else:  # 64 x 8192, 16 heads: 4 splits (2 waves), 3 stages, lazy rescale was the sweep's best
+        cfg = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "LAZY_RESCALE": True}
+        waves = 2
+    cfg.setdefault("LAZY_RESCALE", False)
     cfg["WS"] = False
     programs = triton.cdiv(num_heads, cfg["BLOCK_H"]) * max(batch, 1)
     cfg["num_kv_splits"] = min(32, max(1, round(waves * _num_sms(device) / programs)))

@@ -19,7 +19,7 @@ CONFIG_KEYS = ("BLOCK_H", "num_warps")
 @triton.jit
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr,
-    n_heads, x_stride_t, x_stride_h, cos_stride, sin_stride,
+    n_heads, x_stride_t, x_stride_h, cos_stride, sin_stride, out_stride_t, out_stride_h,
     HALF: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -39,7 +39,8 @@ def _rope_kernel(
         x2 = tl.load(base + HALF + pair[None, :], mask=half_mask, other=0.0).to(tl.float32)
     cos = tl.load(cos_ptr + t * cos_stride + pair, mask=pair < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + t * sin_stride + pair, mask=pair < HALF, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + (t * n_heads + heads[:, None]) * (2 * HALF) + pair[None, :]
+    # a whole row is loaded before any store, so out may be x itself
+    out = out_ptr + t * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h + pair[None, :]
     store_mask = head_ok & (pair < HALF)[None, :]
     tl.store(out, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=store_mask)
     tl.store(out + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=store_mask)
@@ -53,15 +54,21 @@ def default_config(n_heads: int, rope_dim: int) -> dict:
 
 
 def apply_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, *, config: dict | None = None
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, *, out: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Rotate ``x [T, H, R]`` (last dim contiguous, other strides free) by ``cos, sin [T, R/2]``
-    (any float dtype, last dim contiguous). Returns a contiguous ``[T, H, R]`` in x's dtype laid out
-    as the reference's: ``interleave=True`` pairs ``(2i, 2i+1)`` and writes ``[evens | odds]``
-    rotated; ``interleave=False`` pairs ``(i, i + R/2)``."""
+    (any float dtype, last dim contiguous). Returns ``[T, H, R]`` in x's dtype laid out as the
+    reference's: ``interleave=True`` pairs ``(2i, 2i+1)`` and writes ``[evens | odds]`` rotated;
+    ``interleave=False`` pairs ``(i, i + R/2)``. Written to ``out`` (x's shape and dtype, last dim
+    contiguous; may be x itself) when given, else to a new contiguous tensor."""
     _check(x, cos, sin)
     n_tokens, n_heads, rope_dim = x.shape
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif (out.shape, out.dtype, out.device) != (x.shape, x.dtype, x.device) or (rope_dim > 1 and out.stride(-1) != 1):
+        raise ValueError(f"out must be like x {tuple(x.shape)} {x.dtype} with a contiguous last dim, "
+                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if out.numel() == 0:
         return out
     cfg = {**default_config(n_heads, rope_dim), **(config or {})}
@@ -70,7 +77,7 @@ def apply_rope(
     half = rope_dim // 2
     grid = (n_tokens, triton.cdiv(n_heads, cfg["BLOCK_H"]))
     _rope_kernel[grid](
-        x, cos, sin, out, n_heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+        x, cos, sin, out, n_heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
         HALF=half, INTERLEAVE=bool(interleave), BLOCK_H=cfg["BLOCK_H"],
         BLOCK_HALF=triton.next_power_of_2(half), num_warps=cfg["num_warps"],
     )
