@@ -41,9 +41,8 @@ ZERO_M, ZERO_N = 64, 128
 # GROUP_M, num_warps, num_stages, ctas_per_sm (0: one program per work item; n: a persistent grid
 # of n programs per SM), SPLIT_K (dense layout only), TMA (1: operand tiles through tensor
 # descriptors, Hopper's copy engine; falls back to pointer loads where the operands do not allow
-# it) and WS (1, with TMA: ask Triton to warp-specialise the K loop). Starting points for Hopper; re-tune
-# with
-# ``moeserve.bench.kernel_cases.gemm.sweep()``.
+# it) and WS (1, with TMA and 8 warps: ask Triton to warp-specialise the K loop). Starting points
+# for Hopper; re-tune with ``moeserve.bench.kernel_cases.gemm.sweep()``.
 _LARGE = {  # many rows per expert: compute bound (TMA and WS apply from Hopper on; the H200 sweep's best)
     "fp8": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4,
             "TMA": 1, "WS": 1},
@@ -352,6 +351,8 @@ def _resolve(default: dict, override: dict | None, fp8: bool, layout: int) -> di
         raise ValueError("SPLIT_K applies to fp8_block_gemm only")
     if cfg["WS"] and not cfg["TMA"]:
         raise ValueError("WS (warp specialisation) needs TMA")
+    if cfg["num_warps"] < 8:  # Triton 3.6's warp specialiser failed to compile 4-warp tiles on Hopper
+        cfg["WS"] = 0
     return cfg
 
 
