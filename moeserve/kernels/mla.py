@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -57,19 +59,24 @@ def _extend_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_seqs: int
     1.25x faster than flash attention with v zero-padded to 192, the fallback where cuDNN's
     kernel is missing."""
     global _cudnn_attention_ok
-    n_tokens, heads, dqk = q.shape
-    dv = v.shape[-1]
-    batched = lambda t: t.view(n_seqs, n_tokens // n_seqs, heads, t.shape[-1]).transpose(1, 2)
+    dqk, dv = q.shape[-1], v.shape[-1]
     if dv != dqk and _cudnn_attention_ok:
         try:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=scale)
-            return out.transpose(1, 2).reshape(n_tokens, heads, dv)  # [T, H, Dv]
+            return sdpa_whole_prompts(q, k, v, n_seqs, scale, SDPBackend.CUDNN_ATTENTION)
         except RuntimeError:  # no cuDNN attention for these inputs here: pad v for flash attention
             _cudnn_attention_ok = False
-    v = F.pad(v, (0, dqk - dv))
-    out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=scale)
-    return out[..., :dv].transpose(1, 2).reshape(n_tokens, heads, dv)  # [T, H, Dv]
+    return sdpa_whole_prompts(q, k, F.pad(v, (0, dqk - dv)), n_seqs, scale)[..., :dv]
+
+
+def sdpa_whole_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_seqs: int, scale: float,
+                       backend: SDPBackend | None = None) -> torch.Tensor:
+    """Causal SDPA over ``n_seqs`` equal prompts packed in ``q, k [T, H, Dqk]``, ``v [T, H, Dv]``
+    -> ``[T, H, Dv]``; ``backend`` pins torch's kernel (else torch picks)."""
+    n_tokens, heads = q.shape[:2]
+    batched = lambda t: t.view(n_seqs, n_tokens // n_seqs, heads, t.shape[-1]).transpose(1, 2)
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=scale)
+    return out.transpose(1, 2).reshape(n_tokens, heads, v.shape[-1])  # [T, H, Dv]
 
 
 _cudnn_attention_ok = True

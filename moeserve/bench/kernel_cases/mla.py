@@ -327,24 +327,18 @@ def _sweep_extend(shape: ExtendShape, device: str = "cuda") -> tuple[float, dict
 
 def _sdpa_variants(inp: dict, shape: ExtendShape) -> list[tuple[str, Callable[[], torch.Tensor]]]:
     """Whole-prompt attention through torch SDPA, ``[T, H, Dv]`` in and out as the layer needs it
-    (layout changes and padding counted): the engine's flash path (v padded to the qk dim), then
+    (layout changes and padding counted): the engine's path (cuDNN, else v padded for flash), then
     each SDPA backend given v as it is (128 wide against 192-wide q and k)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
-    from moeserve.kernels.mla import _extend_flash
+    from moeserve.kernels.mla import _extend_flash, sdpa_whole_prompts
 
-    q, k, v, scale = inp["q"], inp["k"], inp["v"], inp["scale"]
-    n_seqs, n_tokens, heads = shape.seqs, q.shape[0], shape.heads
-    batched = lambda t: t.view(n_seqs, n_tokens // n_seqs, heads, t.shape[-1]).transpose(1, 2)
-
-    def unpadded(backend: SDPBackend) -> torch.Tensor:
-        with sdpa_kernel(backend):
-            out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=scale)
-        return out.transpose(1, 2).reshape(n_tokens, heads, v.shape[-1])
-
-    variants = [("engine flash path (v padded, output sliced)", lambda: _extend_flash(q, k, v, n_seqs, scale))]
+    q, k, v, scale, n_seqs = inp["q"], inp["k"], inp["v"], inp["scale"], shape.seqs
+    variants = [("engine path (cuDNN with v as it is, else flash with v padded)",
+                 lambda: _extend_flash(q, k, v, n_seqs, scale))]
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION):
-        variants.append((f"sdpa {backend.name.lower()}, v unpadded", lambda b=backend: unpadded(b)))
+        variants.append((f"sdpa {backend.name.lower()}, v unpadded",
+                         lambda b=backend: sdpa_whole_prompts(q, k, v, n_seqs, scale, b)))
     return variants
 
 
