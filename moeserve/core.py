@@ -192,6 +192,7 @@ class ForwardBatch:
     prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
     kv_pool: Any = None  # the MLAKVPool the attention layers read and write
+    page_size: int | None = None  # kv_indices lie on pages of this many slots (slot = page * size + t % size)
     dp: DPInfo | None = None  # what every data-parallel group runs this step
 
     def dp_info(self) -> DPInfo:

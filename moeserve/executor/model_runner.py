@@ -108,7 +108,7 @@ class ModelRunner:
         return ForwardBatch(
             mode=sched.mode, input_ids=input_ids, positions=positions, out_cache_loc=slots_of(new_seq, positions),
             prefix_lens=starts_d, extend_lens=extends_d, kv_indptr=kv_indptr, kv_indices=slots_of(kv_seq, kv_pos),
-            prefix_lens_cpu=starts, extend_lens_cpu=extends, kv_pool=self.kv_pool,
+            prefix_lens_cpu=starts, extend_lens_cpu=extends, kv_pool=self.kv_pool, page_size=page_size,
         )
 
     @torch.inference_mode()

@@ -115,18 +115,22 @@ def mla_decode(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     scale: float,
+    *,
+    page_size: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA over the paged latent cache; one query token per sequence.
 
     ``q_latent [B, H, L]`` (query nope part already multiplied by ``W_UK``), ``q_rope [B, H, R]``,
     ``kv_cache [slots, L + R]`` (latent then rope key), sequence ``b`` reading the slots
     ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``. Returns ``[B, H, L]`` in latent space; a
-    sequence with no tokens gets zeros.
+    sequence with no tokens gets zeros. ``page_size``, when given, promises that the slots lie
+    on pages of that size (token ``t`` at ``page * page_size + t % page_size``); the GPU kernel
+    then reads blocks of consecutive rows whole instead of row by row.
     """
     if use_triton(q_latent):
         from moeserve.kernels.triton import mla as triton_mla
 
-        return triton_mla.mla_decode(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale)
+        return triton_mla.mla_decode(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, page_size=page_size)
     return mla_decode_ref(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale)
 
 

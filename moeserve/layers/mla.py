@@ -99,7 +99,8 @@ class MLA(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         q_latent = torch.einsum("thn,hnl->thl", inputs.q_nope, w_uk)  # [T, H, L]
         cache = batch.kv_pool.layer(self.layer_id)
-        out_latent = mla_decode(q_latent, inputs.q_rope, cache, batch.kv_indptr, batch.kv_indices, self.scale)
+        out_latent = mla_decode(q_latent, inputs.q_rope, cache, batch.kv_indptr, batch.kv_indices, self.scale,
+                                page_size=batch.page_size)
         return torch.einsum("thl,hvl->thv", out_latent, w_uv)  # [T, H, v]
 
     def _expanded(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:

@@ -53,19 +53,26 @@ def _scattered_slots(lens: list[int], page_size: int, spare_pages: int = 3) -> t
 
 def check_mla_decode(device: str, dtype: torch.dtype, heads: int, lens: list[int], latent: int = 32, rope: int = 16,
                      page_size: int = 4, scale: float = 0.2, index_dtype: torch.dtype = torch.int64,
-                     **config) -> None:
-    """Scattered pages; ``q_rope`` a strided view of the projected query, as in the layer."""
+                     paged: bool = False, **config) -> None:
+    """Scattered pages, NaN in every slot no sequence holds; ``q_rope`` a strided view of the
+    projected query, as in the layer. ``paged`` tells the kernel the page size (whole blocks
+    through the copy engine where the config allows)."""
     from moeserve.kernels.triton import mla
 
     indptr, indices, num_slots = _scattered_slots(lens, page_size)
-    indptr, indices = indptr.to(device, index_dtype), indices.to(device, index_dtype)
-    cache = torch.randn(num_slots, latent + rope, device=device).to(dtype)
+    cache = torch.randn(num_slots, latent + rope).to(dtype)
+    unused = torch.ones(num_slots, dtype=torch.bool)
+    unused[indices] = False
+    cache[unused] = float("nan")  # page tails and spare pages: must never reach the output
+    indptr, indices, cache = indptr.to(device, index_dtype), indices.to(device, index_dtype), cache.to(device)
     q = torch.randn(len(lens), heads, latent + rope + 8, device=device).to(dtype)
     q_latent, q_rope = q[..., :latent], q[..., latent + 8:]
     _poison(device)
-    out = mla.mla_decode(q_latent, q_rope, cache, indptr, indices, scale, config=config or None)
+    out = mla.mla_decode(q_latent, q_rope, cache, indptr, indices, scale, page_size=page_size if paged else None,
+                         config=config or None)
     assert out.shape == q_latent.shape and out.dtype == dtype
     ref = mla_decode_ref(q_latent.double(), q_rope.double(), cache.double(), indptr, indices, scale)
+    assert torch.isfinite(ref).all()
     empty = torch.tensor(lens, device=device) == 0
     assert torch.isfinite(out).all() and (out[empty] == 0).all(), "an empty sequence must give zeros"
     assert _rel(out, ref) < REL_TOL[dtype]
@@ -111,6 +118,21 @@ def test_mla_decode_gpu(heads: int, config: dict) -> None:
     torch.manual_seed(heads)
     lens = _random_lens(16, 3000, heads)
     check_mla_decode("cuda", bf16, heads, lens, latent=512, rope=64, page_size=64, scale=0.07, **config)
+
+
+@gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("config", [{}, {"PAGED": True}, {"num_kv_splits": 1}, {"num_kv_splits": 5},
+                                    {"LAZY_RESCALE": True, "PAGED": True}, {"BLOCK_N": 16, "num_kv_splits": 3, "PAGED": True}])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_mla_decode_paged_gpu(heads: int, config: dict, page_size: int) -> None:
+    """Whole blocks through the copy engine (where the page size is a multiple of BLOCK_N), with
+    lengths that end mid-page and NaN in the rest of the page."""
+    torch.manual_seed(heads + page_size)
+    lens = _random_lens(16, 3000, heads)
+    lens[1] = page_size + 3
+    check_mla_decode("cuda", bf16, heads, lens, latent=512, rope=64, page_size=page_size, scale=0.07, paged=True,
+                     **config)
 
 
 @gpu
@@ -253,6 +275,14 @@ INTERPRETED_CHECKS = {
     "decode_lazy_rescale_one_split": lambda: check_mla_decode("cpu", f16, 16, [50, 1], scale=0.6, num_kv_splits=1,
                                                               LAZY_RESCALE=True, **TINY),
     "decode_default_config": lambda: check_mla_decode("cpu", f16, 16, [9, 40]),
+    "decode_paged": lambda: check_mla_decode("cpu", f16, 16, [1, 37, 0, 20], page_size=16, paged=True,
+                                             num_kv_splits=3, PAGED=True, **TINY),
+    "decode_paged_lazy_fp32": lambda: check_mla_decode("cpu", f32, 8, [70, 3, 0, 32], page_size=32, paged=True,
+                                                       scale=1.5, num_kv_splits=2, LAZY_RESCALE=True, PAGED=True, **TINY),
+    "decode_paged_one_split": lambda: check_mla_decode("cpu", f16, 3, [17, 2, 48], page_size=16, paged=True,
+                                                       index_dtype=torch.int32, num_kv_splits=1, PAGED=True, **TINY),
+    "decode_paged_small_pages_gather": lambda: check_mla_decode("cpu", f16, 16, [9, 40], page_size=4, paged=True,
+                                                                PAGED=True, **TINY),
     "decode_padded_dims": lambda: check_mla_decode("cpu", f32, 2, [9, 40, 0], latent=24, rope=8, num_kv_splits=3,
                                                    **TINY),
     "decode_padded_dims_one_split": lambda: check_mla_decode("cpu", f16, 3, [17, 2], latent=8, rope=2,

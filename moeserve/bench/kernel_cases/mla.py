@@ -156,7 +156,7 @@ def _decode_case(shape: DecodeShape) -> KernelCase:
     from moeserve.kernels.mla import mla_decode
 
     inp = decode_inputs(shape)
-    return KernelCase(shape.name, lambda: mla_decode(**inp), shape.flops, shape.bytes,
+    return KernelCase(shape.name, lambda: mla_decode(**inp, page_size=PAGE_SIZE), shape.flops, shape.bytes,
                       baseline=lambda: decode_dense_torch(inp, shape.batch, shape.context),
                       baseline_name="torch gather+bmm", notes="pages of 64 in random order")
 
@@ -186,22 +186,28 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def _decode_candidates(shape: DecodeShape) -> list[dict]:
     """Tile shapes, tried with the default split count (``_sweep_decode`` then varies the splits
     of the best three). Configs that fail to compile or launch are reported and skipped; ``WS``
-    asks Triton 3.5+ to warp-specialise the key loop (it may refuse gathered loads on Hopper)."""
-    off = {"LAZY_RESCALE": False, "WS": False}
+    asks Triton 3.5+ to warp-specialise the key loop (it may refuse gathered loads on Hopper);
+    ``PAGED`` reads whole blocks of a page through the copy engine instead of gathering rows."""
+    off = {"LAZY_RESCALE": False, "WS": False, "PAGED": False}
     if shape.heads >= 64:
-        tiles = [{"BLOCK_H": 64, "BLOCK_N": n, "num_warps": 8, "num_stages": s, "LAZY_RESCALE": lazy, "WS": False}
-                 for n, s, lazy in itertools.product((32, 64), (1, 2, 3), (False, True))]
+        tiles = [{"BLOCK_H": 64, "BLOCK_N": n, "num_warps": 8, "num_stages": s, "LAZY_RESCALE": lazy, "WS": False,
+                  "PAGED": paged}
+                 for n, s, lazy, paged in itertools.product((32, 64), (1, 2, 3), (False, True), (False, True))]
         tiles += [{"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **off},
                   {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **off},
                   {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, **off},
-                  {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "LAZY_RESCALE": False, "WS": True},
-                  {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "LAZY_RESCALE": True, "WS": True}]
+                  {**off, "BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "WS": True},
+                  {**off, "BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "LAZY_RESCALE": True,
+                   "WS": True}]
     else:  # [16, 576] query operands sit in registers (mma.sync): 64-row tiles spill at 4 warps
         tiles = [{"BLOCK_H": 16, "BLOCK_N": n, "num_warps": w, "num_stages": s, **off}
                  for n, w, s in itertools.product((16, 32, 64), (4, 8), (2, 3, 4)) if n < 64 or w == 8]
         tiles += [{"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 2, "num_stages": s, **off} for s in (2, 3)]
-        tiles += [{"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "LAZY_RESCALE": True, "WS": False},
-                  {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "LAZY_RESCALE": False, "WS": True}]
+        tiles += [{**off, "BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "LAZY_RESCALE": True},
+                  {**off, "BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "WS": True}]
+        tiles += [{**off, "BLOCK_H": 16, "BLOCK_N": n, "num_warps": w, "num_stages": s, "LAZY_RESCALE": lazy,
+                   "PAGED": True}
+                  for n, w, s, lazy in itertools.product((16, 32, 64), (4, 8), (2, 3, 4), (False, True))]
     return tiles
 
 
@@ -284,10 +290,10 @@ def _sweep_decode(shape: DecodeShape, device: str = "cuda") -> tuple[float, dict
     ref = decode_dense_torch(upcast, shape.batch, shape.context)
     del upcast
     row_bytes = inp["kv_cache"].shape[1] * inp["kv_cache"].element_size()
-    base = triton_mla.decode_config(shape.batch, shape.heads, row_bytes, inp["q_latent"].device)
+    base = triton_mla.decode_config(shape.batch, shape.heads, row_bytes, inp["q_latent"].device, PAGE_SIZE)
 
     def run(cfg: dict) -> torch.Tensor:
-        return triton_mla.mla_decode(**inp, config=cfg)
+        return triton_mla.mla_decode(**inp, page_size=PAGE_SIZE, config=cfg)
 
     if shape.heads < 64:
         _gather_ceiling(shape, inp)
