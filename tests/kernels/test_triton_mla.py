@@ -136,6 +136,27 @@ def test_mla_decode_paged_gpu(heads: int, config: dict, page_size: int) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("splits", [1, 2, 3, 40])
+@pytest.mark.parametrize("heads", [128, 16])
+def test_mla_decode_hopper_kernel_edges(splits: int, heads: int) -> None:
+    """The warp-specialised Gluon kernel (64-head blocks, 64-slot pages): empty sequences and
+    splits, lengths around block edges, NaN past each sequence's end, padded head blocks."""
+    from moeserve.kernels.triton import mla_hopper
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for Hopper")
+    torch.manual_seed(splits + heads)
+    cache = torch.empty(64, 576, device="cuda", dtype=bf16)
+    q = torch.empty(1, heads, 512, device="cuda", dtype=bf16)
+    assert mla_hopper.wide_decode_supported(q, cache, 64)
+    config = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "PAGED": True, "num_kv_splits": splits}
+    check_mla_decode("cuda", bf16, heads, [0, 1, 2, 0, 63, 64, 65, 128, 129, 700], latent=512, rope=64, page_size=64,
+                     scale=0.07, paged=True, **config)
+    check_mla_decode("cuda", bf16, heads, [4000, 3, 2500], latent=512, rope=64, page_size=128, scale=0.5, paged=True,
+                     index_dtype=torch.int32, **config)
+
+
+@gpu
 @pytest.mark.parametrize("config", [{}, {"num_kv_splits": 40}, {"LAZY_RESCALE": True}])
 def test_mla_decode_gpu_edges(config: dict) -> None:
     """Empty sequences, more splits than tokens, int32 indices, peaked scores (large max jumps)."""
@@ -334,3 +355,39 @@ def test_equal_prompts_without_prefix_take_flash_attention(cudnn: bool, monkeypa
     out = extend_attention(q, k, v, [n] * n_seqs, [0] * n_seqs, 0.1)
     ref = extend_attention_ref(q.float(), k.float(), v.float(), [n] * n_seqs, [0] * n_seqs, 0.1)
     assert ((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_hopper_kernel_compiles_for_sm90() -> None:
+    """The Gluon decode kernel builds for Hopper without a GPU (Triton's bundled ptxas), with
+    shared memory within the H100/H200 limit and no register spills."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from moeserve.kernels.triton import mla_hopper
+
+    def desc(block: list[int]) -> str:
+        return f"tensordesc<bf16[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
+
+    fn = mla_hopper._mla_decode_wide_kernel
+    signature = {"q_latent": "*bf16", "q_rope": "*bf16", "desc_latent": desc([64, 256]), "desc_rope": desc([64, 64]),
+                 "kv_indptr": "*i64", "kv_indices": "*i64", "out": "*fp32", "lse": "*fp32", "num_heads": "i32",
+                 "num_splits": "i32", "qk_scale": "fp32", "SINGLE_SPLIT": "constexpr"}
+    signature.update({name: "i64" for name in fn.arg_names if name.startswith("stride")})
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+               for n in ("q_latent", "q_rope", "kv_indptr", "kv_indices", "out", "lse")}
+    src = GluonASTSource(fn=fn, signature=signature, constexprs={"SINGLE_SPLIT": False}, attrs=aligned)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert kernel.metadata.shared <= 232448  # 227 KB: the most one block may have on Hopper
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(ptx) + ".cubin"],
+                             capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in log, log
+    assert kernel.asm["ptx"].count("wgmma.mma_async") > 0 and "cp.async.bulk.tensor" in kernel.asm["ptx"]

@@ -187,10 +187,12 @@ def _decode_candidates(shape: DecodeShape) -> list[dict]:
     """Tile shapes, tried with the default split count (``_sweep_decode`` then varies the splits
     of the best three). Configs that fail to compile or launch are reported and skipped; ``WS``
     asks Triton 3.5+ to warp-specialise the key loop (it may refuse gathered loads on Hopper);
-    ``PAGED`` reads whole blocks of a page through the copy engine instead of gathering rows."""
-    off = {"LAZY_RESCALE": False, "WS": False, "PAGED": False}
+    ``PAGED`` reads whole blocks of a page through the copy engine instead of gathering rows;
+    ``HOPPER_WS`` takes the Gluon kernel (64-head blocks; tried once, its tiles are fixed)."""
+    off = {"LAZY_RESCALE": False, "WS": False, "PAGED": False, "HOPPER_WS": False}
+    gluon = {**off, "BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "PAGED": True, "HOPPER_WS": True}
     if shape.heads >= 64:
-        tiles = [{"BLOCK_H": 64, "BLOCK_N": n, "num_warps": 8, "num_stages": s, "LAZY_RESCALE": lazy, "WS": False,
+        tiles = [{**off, "BLOCK_H": 64, "BLOCK_N": n, "num_warps": 8, "num_stages": s, "LAZY_RESCALE": lazy,
                   "PAGED": paged}
                  for n, s, lazy, paged in itertools.product((32, 64), (1, 2, 3), (False, True), (False, True))]
         tiles += [{"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **off},
@@ -208,7 +210,7 @@ def _decode_candidates(shape: DecodeShape) -> list[dict]:
         tiles += [{**off, "BLOCK_H": 16, "BLOCK_N": n, "num_warps": w, "num_stages": s, "LAZY_RESCALE": lazy,
                    "PAGED": True}
                   for n, w, s, lazy in itertools.product((16, 32, 64), (4, 8), (2, 3, 4), (False, True))]
-    return tiles
+    return [gluon] + tiles
 
 
 def _decode_splits(shape: DecodeShape) -> tuple[int, ...]:

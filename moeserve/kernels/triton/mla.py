@@ -6,7 +6,9 @@ runs one program per (head block, sequence, split): it gathers the chunk's cache
 reuses the same latent tile as the values, with an online softmax in fp32 and base 2. Each
 split writes a normalised partial output and its log-sum-exp; stage 2 merges the splits. The
 chunk bounds are computed in the kernel from ``kv_indptr``, so a call never syncs with the host
-and can be captured in a CUDA graph.
+and can be captured in a CUDA graph. When the caller gives the cache's page size, blocks of
+tokens within one page are read whole by the copy engine (TMA) instead of row by row, and on
+Hopper 64-head blocks go to the warp-specialised Gluon kernel in ``mla_hopper``.
 
 Prefill (``extend_attention``) is a flash-attention forward over sequences packed back to back,
 causal with a cached prefix: new token ``i`` of a sequence sees keys ``0 .. prefix_len + i``.
@@ -28,9 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.triton import mla_hopper
+
 LOG2E = 1.4426950408889634
 DECODE_CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "num_kv_splits", "LAZY_RESCALE",
-                                "WS", "PAGED"})
+                                "WS", "PAGED", "HOPPER_WS"})
 EXTEND_CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"})
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -291,6 +295,7 @@ def decode_config(batch: int, num_heads: int, row_bytes: int, device: torch.devi
     cfg.setdefault("LAZY_RESCALE", False)
     cfg["WS"] = False
     cfg["PAGED"] = cfg["BLOCK_H"] >= 64
+    cfg["HOPPER_WS"] = True  # 64-head blocks over 64-slot pages on Hopper: the Gluon kernel (mla_hopper)
     if cfg["PAGED"] and page_size is not None and page_size % cfg["BLOCK_N"] == 0:
         cfg["num_stages"] = 2
     programs = triton.cdiv(num_heads, cfg["BLOCK_H"]) * max(batch, 1)
@@ -358,8 +363,9 @@ def mla_decode(
     ``kv_cache [slots, L + R]``, ``kv_indptr [B + 1]`` and ``kv_indices [total]`` (int32/int64,
     on the device) -> ``[B, H, L]`` in q's dtype. ``page_size``: the cache is paged, token ``t``
     of a sequence at slot ``page * page_size + t % page_size``; blocks of tokens are then read
-    whole by the copy engine where the tiles allow (``PAGED`` in the config turns that off).
-    ``config`` overrides ``decode_config``.
+    whole by the copy engine where the tiles allow (``PAGED`` in the config turns that off), and
+    64-head blocks over pages of a multiple of 64 slots on Hopper run the warp-specialised Gluon
+    kernel of ``mla_hopper`` (``HOPPER_WS`` turns that off). ``config`` overrides ``decode_config``.
     """
     _check_decode_inputs(q_latent, q_rope, kv_cache, kv_indptr, kv_indices)
     _check_scale(scale)
@@ -372,16 +378,20 @@ def mla_decode(
     out = q_latent.new_empty(batch, num_heads, latent_dim)
     if batch == 0 or num_heads == 0:
         return out
-    descriptors = _page_descriptors(kv_cache, latent_dim, page_size, cfg)
     splits = cfg["num_kv_splits"]
+    if cfg["HOPPER_WS"] and cfg["BLOCK_H"] == 64 and cfg["PAGED"] and \
+            mla_hopper.wide_decode_supported(q_latent, kv_cache, page_size):
+        stage_1 = functools.partial(mla_hopper.decode_splits, q_latent, q_rope, kv_cache, kv_indptr, kv_indices,
+                                    scale * LOG2E, splits)
+    else:
+        stage_1 = functools.partial(_decode_splits, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, cfg,
+                                    _page_descriptors(kv_cache, latent_dim, page_size, cfg))
     if splits == 1:  # stage 1 writes the final output; nothing to merge
-        _decode_splits(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, cfg, descriptors,
-                       out, (*out.stride()[:2], 0), out, (0, 0))
+        stage_1(out, (*out.stride()[:2], 0), out, (0, 0))
         return out
     partial = torch.empty(batch, num_heads, splits, latent_dim, dtype=torch.float32, device=out.device)
     lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=out.device)
-    _decode_splits(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, cfg, descriptors,
-                   partial, partial.stride()[:3], lse, lse.stride()[:2])
+    stage_1(partial, partial.stride()[:3], lse, lse.stride()[:2])
     _mla_decode_merge_kernel[(num_heads, batch)](
         partial, lse, out, splits,
         *partial.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
