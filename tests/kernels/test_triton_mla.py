@@ -148,8 +148,8 @@ def test_mla_decode_hopper_kernel_edges(splits: int, heads: int) -> None:
     torch.manual_seed(splits + heads)
     cache = torch.empty(64, 576, device="cuda", dtype=bf16)
     q = torch.empty(1, heads, 512, device="cuda", dtype=bf16)
-    assert mla_hopper.wide_decode_supported(q, cache, 64)
-    config = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "PAGED": True, "num_kv_splits": splits}
+    assert mla_hopper.decode_supported(q, cache, 64, 64, 64)
+    config = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "PAGED": True, "HOPPER_WS": True, "num_kv_splits": splits}
     check_mla_decode("cuda", bf16, heads, [0, 1, 2, 0, 63, 64, 65, 128, 129, 700], latent=512, rope=64, page_size=64,
                      scale=0.07, paged=True, **config)
     check_mla_decode("cuda", bf16, heads, [4000, 3, 2500], latent=512, rope=64, page_size=128, scale=0.5, paged=True,

@@ -379,8 +379,8 @@ def mla_decode(
     if batch == 0 or num_heads == 0:
         return out
     splits = cfg["num_kv_splits"]
-    if cfg["HOPPER_WS"] and cfg["BLOCK_H"] == 64 and cfg["PAGED"] and \
-            mla_hopper.wide_decode_supported(q_latent, kv_cache, page_size):
+    if cfg["HOPPER_WS"] and cfg["PAGED"] and \
+            mla_hopper.decode_supported(q_latent, kv_cache, page_size, cfg["BLOCK_H"], cfg["BLOCK_N"]):
         stage_1 = functools.partial(mla_hopper.decode_splits, q_latent, q_rope, kv_cache, kv_indptr, kv_indices,
                                     scale * LOG2E, splits)
     else:

@@ -40,25 +40,76 @@ HALF = gl.constexpr(256)  # each warpgroup's share of the output columns
 
 
 @gluon.jit
+def _split_range(kv_indptr, seq, split, num_splits, BN: gl.constexpr):
+    """``(first slot index, tokens, blocks)`` of this split: whole ``BN`` blocks of the sequence."""
+    kv_start = gl.load(kv_indptr + seq).to(gl.int64)
+    seq_len = (gl.load(kv_indptr + seq + 1) - kv_start).to(gl.int32)
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BN) * BN
+    lo = split * chunk
+    n_tokens = gl.maximum(gl.minimum(lo + chunk, seq_len) - lo, 0)
+    return kv_start + lo, n_tokens, gl.cdiv(n_tokens, BN)
+
+
+@gluon.jit
+def _query_to_smem(q_latent, q_rope, seq, head0, num_heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
+                   ROWS: gl.constexpr):
+    """The query block ``[ROWS, L]`` and ``[ROWS, R]`` in shared memory (rows past num_heads zero)."""
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    dtype: gl.constexpr = q_latent.dtype.element_ty
+    heads = head0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
+    head_ok = (heads < num_heads)[:, None]
+    q_lat = gl.allocate_shared_memory(dtype, [ROWS, LATENT], gl.NVMMASharedLayout.get_default_for([ROWS, LATENT], dtype))
+    q_rope_s = gl.allocate_shared_memory(dtype, [ROWS, ROPE], gl.NVMMASharedLayout.get_default_for([ROWS, ROPE], dtype))
+    q_rows = q_latent + seq * stride_qlb + heads[:, None] * stride_qlh
+    for c in gl.static_range(LATENT // 64):
+        q_lat.slice(c * 64, 64, dim=1).store(gl.load(q_rows + c * 64 + cols[None, :], mask=head_ok, other=0.0))
+    q_rope_s.store(gl.load(q_rope + seq * stride_qrb + heads[:, None] * stride_qrh + cols[None, :], mask=head_ok,
+                           other=0.0))
+    return q_lat, q_rope_s
+
+
+@gluon.jit
+def _load_block(desc_latent, desc_rope, kv_indices, block_start, j, stage, lat_a, lat_b, rope, ready,
+                BN: gl.constexpr):
+    """Block ``j`` of the split (``BN`` consecutive rows of one page) into ``stage`` by the copy
+    engine, completing on ``ready[stage]``."""
+    nbytes: gl.constexpr = 2 * desc_latent.block_type.nbytes + desc_rope.block_type.nbytes
+    slot = gl.load(kv_indices + block_start + j * BN).to(gl.int32)
+    bar = ready.index(stage)
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(desc_latent, [slot, 0], bar, lat_a.index(stage))
+    tma.async_copy_global_to_shared(desc_latent, [slot, HALF], bar, lat_b.index(stage))
+    tma.async_copy_global_to_shared(desc_rope, [slot, LATENT], bar, rope.index(stage))
+
+
+@gluon.jit
+def _zero_tail(a, b, valid, BN: gl.constexpr):
+    """Rows ``valid..BN`` of a partial block's latent halves to zero: they hold whatever their
+    slots hold (NaN too), and P being 0 there does not make 0 * NaN zero."""
+    zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    rows = gl.arange(0, BN, layout=gl.SliceLayout(1, zero_layout))
+    for c in gl.static_range(HALF // 64):
+        _zero_rows(a.slice(c * 64, 64, dim=1), rows, valid, zero_layout)
+        _zero_rows(b.slice(c * 64, 64, dim=1), rows, valid, zero_layout)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _issue_scores(q_lat, q_rope, lat_a, lat_b, rope, kv_ready, j, n_tokens):
     """Wait for block ``j`` and start ``S = Q K^T`` on it (asynchronously); rows of a partial
     block past the split's end are zeroed first (they hold whatever their slots hold, NaN too:
     P is 0 there, but 0 * NaN is not)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     stage = j % 2
     mbarrier.wait(kv_ready.index(stage), (j // 2) & 1)
     a = lat_a.index(stage)
     b = lat_b.index(stage)
     valid = n_tokens - j * BLOCK_N
     if valid < BLOCK_N:
-        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zero_layout))
-        for c in gl.static_range(HALF // 64):
-            _zero_rows(a.slice(c * 64, 64, dim=1), rows, valid, zero_layout)
-            _zero_rows(b.slice(c * 64, 64, dim=1), rows, valid, zero_layout)
-        fence_async_shared()
-        gl.thread_barrier()
+        _zero_tail(a, b, valid, BLOCK_N)
     s = warpgroup_mma(q_lat.slice(0, HALF, dim=1), a.permute((1, 0)),
                       gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
     s = warpgroup_mma(q_lat.slice(HALF, HALF, dim=1), b.permute((1, 0)), s, is_async=True)
@@ -145,14 +196,9 @@ def _wg1_loads_and_right(desc_latent, desc_rope, kv_indices, block_start, lat_a,
                          out, stride_ob, stride_oh, stride_os, seq, split, head0, num_heads):
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])
-    nbytes: gl.constexpr = 2 * desc_latent.block_type.nbytes + desc_rope.block_type.nbytes
     for j in gl.static_range(2):  # prologue: both stages
         if j < n_blocks:
-            slot = gl.load(kv_indices + block_start + j * BLOCK_N).to(gl.int32)
-            mbarrier.expect(kv_ready.index(j), nbytes)
-            tma.async_copy_global_to_shared(desc_latent, [slot, 0], kv_ready.index(j), lat_a.index(j))
-            tma.async_copy_global_to_shared(desc_latent, [slot, HALF], kv_ready.index(j), lat_b.index(j))
-            tma.async_copy_global_to_shared(desc_rope, [slot, LATENT], kv_ready.index(j), rope.index(j))
+            _load_block(desc_latent, desc_rope, kv_indices, block_start, j, j, lat_a, lat_b, rope, kv_ready, BLOCK_N)
     o = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
     for j in range(n_blocks):
         stage = j % 2
@@ -166,11 +212,8 @@ def _wg1_loads_and_right(desc_latent, desc_rope, kv_indices, block_start, lat_a,
         mbarrier.arrive(kv_free.index(stage))
         if j + 2 < n_blocks:  # refill this stage once warpgroup 0 is done with it too
             mbarrier.wait(kv_free.index(stage), (j // 2) & 1)
-            slot = gl.load(kv_indices + block_start + (j + 2) * BLOCK_N).to(gl.int32)
-            mbarrier.expect(kv_ready.index(stage), nbytes)
-            tma.async_copy_global_to_shared(desc_latent, [slot, 0], kv_ready.index(stage), lat_a.index(stage))
-            tma.async_copy_global_to_shared(desc_latent, [slot, HALF], kv_ready.index(stage), b)
-            tma.async_copy_global_to_shared(desc_rope, [slot, LATENT], kv_ready.index(stage), rope.index(stage))
+            _load_block(desc_latent, desc_rope, kv_indices, block_start, j + 2, stage, lat_a, lat_b, rope, kv_ready,
+                        BLOCK_N)
     mbarrier.wait(p_ready, n_blocks & 1)
     l_o = alpha_smem.load(gl.SliceLayout(1, o_layout))
     _store_half(o, l_o, out, seq, split, head0, num_heads, stride_ob, stride_oh, stride_os, HALF, o_layout)
@@ -188,28 +231,9 @@ def _mla_decode_wide_kernel(
     head0 = gl.program_id(0) * BLOCK_H
     seq = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
-    kv_start = gl.load(kv_indptr + seq).to(gl.int64)
-    seq_len = (gl.load(kv_indptr + seq + 1) - kv_start).to(gl.int32)
-    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # whole blocks per split
-    lo = split * chunk
-    n_tokens = gl.maximum(gl.minimum(lo + chunk, seq_len) - lo, 0)
-    n_blocks = gl.cdiv(n_tokens, BLOCK_N)
-
-    # the query block into shared memory (rows past num_heads zero)
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
-    head_ok = (heads < num_heads)[:, None]
-    q_lat = gl.allocate_shared_memory(q_latent.dtype.element_ty, [BLOCK_H, LATENT],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_H, LATENT], q_latent.dtype.element_ty))
-    q_rope_s = gl.allocate_shared_memory(q_latent.dtype.element_ty, [BLOCK_H, ROPE],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE],
-                                                                              q_latent.dtype.element_ty))
-    q_rows = q_latent + seq * stride_qlb + heads[:, None] * stride_qlh
-    for c in gl.static_range(LATENT // 64):
-        q_lat.slice(c * 64, 64, dim=1).store(gl.load(q_rows + c * 64 + cols[None, :], mask=head_ok, other=0.0))
-    q_rope_s.store(gl.load(q_rope + seq * stride_qrb + heads[:, None] * stride_qrh + cols[None, :], mask=head_ok,
-                           other=0.0))
+    block_start, n_tokens, n_blocks = _split_range(kv_indptr, seq, split, num_splits, BLOCK_N)
+    q_lat, q_rope_s = _query_to_smem(q_latent, q_rope, seq, head0, num_heads, stride_qlb, stride_qlh, stride_qrb,
+                                     stride_qrh, BLOCK_H)
 
     lat_a = gl.allocate_shared_memory(desc_latent.dtype, [2, BLOCK_N, HALF], desc_latent.layout)
     lat_b = gl.allocate_shared_memory(desc_latent.dtype, [2, BLOCK_N, HALF], desc_latent.layout)
@@ -232,50 +256,47 @@ def _mla_decode_wide_kernel(
         (_wg0_scores_and_left, (q_lat, q_rope_s, lat_a, lat_b, rope, p_smem, alpha_smem, kv_ready, kv_free, p_ready,
                                 p_free, n_blocks, n_tokens, qk_scale, out, lse, stride_ob, stride_oh, stride_os,
                                 stride_lb, stride_lh, seq, split, head0, num_heads, SINGLE_SPLIT)),
-        (_wg1_loads_and_right, (desc_latent, desc_rope, kv_indices, kv_start + lo, lat_a, lat_b, rope, p_smem,
+        (_wg1_loads_and_right, (desc_latent, desc_rope, kv_indices, block_start, lat_a, lat_b, rope, p_smem,
                                 alpha_smem, kv_ready, kv_free, p_ready, p_free, n_blocks, out, stride_ob, stride_oh,
                                 stride_os, seq, split, head0, num_heads)),
     ], [4], [232])
 
 
-def wide_decode_supported(q_latent: torch.Tensor, kv_cache: torch.Tensor, page_size: int | None) -> bool:
-    """Whether ``decode_splits`` can take these inputs: a Hopper GPU, 16-bit DeepSeek dims, pages
-    of a multiple of 64 slots, rows the copy engine can address."""
-    if page_size is None or page_size % BLOCK_N.value or kv_cache.device.type != "cuda":
+def decode_supported(q_latent: torch.Tensor, kv_cache: torch.Tensor, page_size: int | None, block_h: int,
+                     block_n: int) -> bool:
+    """Whether ``decode_splits`` can take these inputs with these tiles: a Hopper GPU, 16-bit
+    DeepSeek dims, 64-head blocks over 64-row page blocks, pages of a multiple of 64 slots, rows
+    the copy engine can address."""
+    if block_h != BLOCK_H.value or block_n != BLOCK_N.value:
+        return False
+    if page_size is None or page_size % block_n or kv_cache.device.type != "cuda":
         return False
     if torch.cuda.get_device_capability(kv_cache.device) != (9, 0):
         return False
     if q_latent.shape[-1] != LATENT.value or kv_cache.shape[1] != LATENT.value + ROPE.value:
         return False
-    if q_latent.dtype not in (torch.bfloat16, torch.float16):
+    if q_latent.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q_latent.dtype:
         return False
     elt = kv_cache.element_size()
     return kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(0) * elt) % 16 == 0 and kv_cache.shape[0] < 2**31
 
 
-def _gl_dtype(dtype: torch.dtype):
-    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-
-
 def decode_splits(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                  kv_indices: torch.Tensor, qk_scale_log2: float, splits: int, out: torch.Tensor, out_strides: tuple,
-                  lse: torch.Tensor, lse_strides: tuple) -> None:
-    """Stage 1 of the split decode (see ``triton.mla._decode_splits``) on this kernel; the caller
-    checked ``wide_decode_supported``."""
+                  kv_indices: torch.Tensor, qk_scale_log2: float, splits: int,
+                  out: torch.Tensor, out_strides: tuple, lse: torch.Tensor, lse_strides: tuple) -> None:
+    """Stage 1 of the split decode (see ``triton.mla._decode_splits``) on this kernel; the
+    caller checked ``decode_supported``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     batch, num_heads, _ = q_latent.shape
-    dtype = _gl_dtype(kv_cache.dtype)
+    dtype = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float16
     block_n, half, rope = BLOCK_N.value, HALF.value, ROPE.value
     desc_latent = TensorDescriptor.from_tensor(kv_cache, [block_n, half],
                                                gl.NVMMASharedLayout.get_default_for([block_n, half], dtype))
     desc_rope = TensorDescriptor.from_tensor(kv_cache, [block_n, rope],
                                              gl.NVMMASharedLayout.get_default_for([block_n, rope], dtype))
+    args = (q_latent, q_rope, desc_latent, desc_rope, kv_indptr, kv_indices, out, lse, num_heads, splits,
+            qk_scale_log2, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+            *out_strides, *lse_strides)
     grid = (triton.cdiv(num_heads, BLOCK_H.value), batch, splits)
-    _mla_decode_wide_kernel[grid](
-        q_latent, q_rope, desc_latent, desc_rope, kv_indptr, kv_indices, out, lse,
-        num_heads, splits, qk_scale_log2,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        *out_strides, *lse_strides,
-        SINGLE_SPLIT=splits == 1, num_warps=4,
-    )
+    _mla_decode_wide_kernel[grid](*args, SINGLE_SPLIT=splits == 1, num_warps=4)
