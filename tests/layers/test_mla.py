@@ -34,3 +34,28 @@ def test_absorbed_decode_equals_expanded_recompute(hf_model_path, variant):
             expanded = run_extend(runner, fresh, 0, n + step + 1)[-1]
             torch.testing.assert_close(absorbed[row], expanded, rtol=1e-5, atol=1e-5)
             runner.page_pool.free(fresh.page_table)
+
+
+def test_batches_keep_the_page_promise_the_decode_kernels_rely_on(hf_model_path):
+    """``ForwardBatch.page_size`` tells the decode kernels that token ``t`` of a sequence sits at
+    ``page * page_size + t % page_size``, so that a block of tokens inside one page is one run of
+    consecutive cache rows; check that the batches the runner builds keep that promise."""
+    from moeserve.core import ForwardMode, ScheduleBatch, ScheduledSeq
+
+    runner = ModelRunner(build_engine_config(hf_model_path("v3", 0), dtype="float32", page_size=4,
+                                             max_total_tokens=512))
+    page = runner.page_pool.page_size
+    spacer = new_req(runner, list(range(2, 7)), "spacer")  # later requests start mid-pool
+    reqs = [new_req(runner, list(range(2, 2 + n)), f"r{n}") for n in (1, 4, 9, 14)]
+    runner.page_pool.free(spacer.page_table)
+    for req in reqs:
+        req.kv_len = len(req.prompt_ids) - 1
+    batch = runner.build_batch(ScheduleBatch(ForwardMode.DECODE,
+                                             [ScheduledSeq(r, r.seq_len - 1, r.seq_len) for r in reqs]))
+    assert batch.page_size == page
+    indptr, indices = batch.kv_indptr.tolist(), batch.kv_indices.tolist()
+    for b, req in enumerate(reqs):
+        slots = indices[indptr[b]:indptr[b + 1]]
+        assert len(slots) == req.seq_len
+        assert slots == [req.page_table[t // page] * page + t % page for t in range(req.seq_len)]
+        assert all(slots[t] % page == 0 for t in range(0, req.seq_len, page))
