@@ -19,16 +19,8 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 status=0
 
-step() {  # step NAME LIMIT CMD...
-    local name=$1 limit=$2 start=$SECONDS rc
-    shift 2
-    echo; echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s)"
-    timeout -s INT -k 10 "$limit" "$@"
-    rc=$?
-    echo "=== $name: exit $rc after $((SECONDS - start))s"
-    [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
-    return 0
-}
+# shellcheck source=tools/step.sh
+source "$(dirname "$0")/step.sh"
 
 echo "=== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

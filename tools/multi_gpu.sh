@@ -23,16 +23,9 @@ PYTEST=(python3 -m pytest -p no:cacheprovider -q -x -rA --durations=15)
 GRAPH_LIMIT="${GRAPH_LIMIT:-75}" BENCH_LIMIT="${BENCH_LIMIT:-90}"
 read -ra BENCH_ARGS <<< "${BENCH_ARGS:-}"  # extra flags for the benchmark, e.g. BENCH_ARGS="--iters 100"
 
-step() {  # step NAME LIMIT CMD...: run, report, remember the first failure
-    local name=$1 limit=$2 start=$SECONDS rc
-    shift 2
-    echo; echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s)"
-    timeout -s INT -k 15 "$limit" "$@"
-    rc=$?
-    echo "=== $name: exit $rc after $((SECONDS - start))s"
-    [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
-    return 0
-}
+STEP_KILL_AFTER=15
+# shellcheck source=tools/step.sh
+source "$(dirname "$0")/step.sh"
 
 environment() {
     echo "=== environment"

@@ -8,8 +8,6 @@ unreliable, so it gets fp16 and fp32).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,25 +16,8 @@ from moeserve.kernels.fp8 import FP8_MAX, per_token_group_quant_fp8_ref
 from moeserve.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from moeserve.kernels.rope import apply_rope_ref
 from moeserve.kernels.routing import select_experts_ref
+from tests.kernels.accuracy import REL_TOL, poison_allocator, rel_error
 from tests.kernels.interpreter import interpreted, run_checks
-
-REPO = Path(__file__).resolve().parents[2]
-# relative error bound vs an fp64 reference, by output dtype (a few roundings of the dtype)
-REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (an unwritten element?)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _poison(device: str) -> None:
-    """Fill cached allocator blocks with NaN bytes, so outputs the kernel fails to write show up."""
-    if device != "cuda":
-        return
-    for n in (1 << 20, 1 << 26, 1 << 28):
-        torch.full((n,), 0xFF, dtype=torch.uint8, device=device)  # 0xFF.. is NaN in every float dtype
 
 
 def _rows(n_rows: int, dim: int, pad: int, dtype: torch.dtype, device: str, scale: float = 1.0) -> torch.Tensor:
@@ -52,10 +33,10 @@ def check_rms_norm(device: str, dtype: torch.dtype, n_rows: int, dim: int, pad: 
 
     x = _rows(n_rows, dim, pad, dtype, device, scale=3.0)
     w = (1 + 0.1 * torch.randn(dim, device=device)).to(dtype)
-    _poison(device)
+    poison_allocator(device)
     out = norm.rms_norm(x, w, 1e-6, config=config or None)
     assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
-    assert _rel(out, rms_norm_ref(x.double(), w.double(), 1e-6)) < REL_TOL[dtype]
+    assert rel_error(out, rms_norm_ref(x.double(), w.double(), 1e-6)) < REL_TOL[dtype]
 
 
 def check_fused_add_rms_norm(device: str, dtype: torch.dtype, n_rows: int, dim: int, pad: int = 0,
@@ -66,13 +47,13 @@ def check_fused_add_rms_norm(device: str, dtype: torch.dtype, n_rows: int, dim: 
     res = _rows(n_rows, dim, pad, dtype, device, scale=4.0)
     w = (1 + 0.1 * torch.randn(dim, device=device)).to(dtype)
     x_before, res_before = x.clone(), res.clone()
-    _poison(device)
+    poison_allocator(device)
     out, new_res = norm.fused_add_rms_norm(x, res, w, 1e-6, config=config or None)
     assert torch.equal(x, x_before) and torch.equal(res, res_before), "inputs were modified"
     assert out.dtype == dtype and new_res.dtype == dtype and new_res.shape == x.shape
     ref_out, ref_res = fused_add_rms_norm_ref(x.double(), res.double(), w.double(), 1e-6)
-    assert _rel(new_res, ref_res) < REL_TOL[dtype]
-    assert _rel(out, ref_out) < REL_TOL[dtype]
+    assert rel_error(new_res, ref_res) < REL_TOL[dtype]
+    assert rel_error(out, ref_out) < REL_TOL[dtype]
     # the residual is rounded once, like the reference's ``x + residual``
     assert torch.equal(new_res, x + res)
 
@@ -83,11 +64,11 @@ def check_silu_and_mul(device: str, dtype: torch.dtype, lead: tuple[int, ...], i
 
     base = torch.randn(*lead, 2 * inter + pad, device=device).to(dtype)
     x = base[..., : 2 * inter]
-    _poison(device)
+    poison_allocator(device)
     out = activation.silu_and_mul(x, config=config or None)
     gate, up = x.double().chunk(2, dim=-1)
     assert out.shape == (*lead, inter) and out.dtype == dtype
-    assert _rel(out, F.silu(gate) * up) < REL_TOL[dtype]
+    assert rel_error(out, F.silu(gate) * up) < REL_TOL[dtype]
 
 
 def check_apply_rope(device: str, dtype: torch.dtype, n_tokens: int, n_heads: int, rope_dim: int,
@@ -99,12 +80,12 @@ def check_apply_rope(device: str, dtype: torch.dtype, n_tokens: int, n_heads: in
     x = q[..., head_dim - rope_dim:]
     angles = torch.rand(n_tokens, rope_dim // 2, device=device) * 100
     cos, sin = angles.cos() * 1.2, angles.sin() * 1.2  # fp32, scaled like YaRN's attention factor
-    _poison(device)
+    poison_allocator(device)
     out = rope.apply_rope(x, cos, sin, interleave, config=config or None)
     ref = apply_rope_ref(x.double(), cos.double(), sin.double(), interleave)
     assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
-    assert _rel(out, ref) < REL_TOL[dtype]
-    assert _rel(out, apply_rope_ref(x, cos, sin, interleave)) < 2 * REL_TOL[dtype]
+    assert rel_error(out, ref) < REL_TOL[dtype]
+    assert rel_error(out, apply_rope_ref(x, cos, sin, interleave)) < 2 * REL_TOL[dtype]
     # in place, into the strided slice itself; the rest of q untouched
     rest = q[..., :head_dim - rope_dim].clone()
     assert rope.apply_rope(x, cos, sin, interleave, out=x, config=config or None).data_ptr() == x.data_ptr()
@@ -125,7 +106,7 @@ def check_per_token_group_quant(device: str, dtype: torch.dtype, lead: tuple[int
     if base.dim() > 1:
         base[0] = 0  # an all-zero row takes the scale floor
     x = base.to(dtype)[..., :k]
-    _poison(device)
+    poison_allocator(device)
     q, s = quant.per_token_group_quant_fp8(x, group_size, config=config or None)
     q_ref, s_ref = per_token_group_quant_fp8_ref(x, group_size)
     assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
@@ -174,7 +155,7 @@ def check_select_experts(device: str, n_tokens: int, n_experts: int, top_k: int,
     logits = torch.randn(n_tokens, n_experts, device=device) * 2
     bias = torch.randn(n_experts, device=device) * 0.1 if with_bias else None
     args = (logits, top_k, "noaux_tc", n_group, topk_group, bias, norm_topk_prob, 2.5)
-    _poison(device)
+    poison_allocator(device)
     weights, ids = routing.select_experts(*args, config=config or None)
     ref_w, ref_ids = select_experts_ref(*args)
     assert weights.shape == ids.shape == (n_tokens, top_k)
@@ -201,12 +182,12 @@ def check_topk_weighted_sum(device: str, dtype: torch.dtype, n_tokens: int, k: i
     position = torch.randperm(rows.shape[0], device=device)[:n_tokens * k] if shuffled else None
     if not shuffled:
         rows = rows[:n_tokens * k]
-    _poison(device)
+    poison_allocator(device)
     out = combine.topk_weighted_sum(rows, weights, position, config=config or None)
     picked = rows.double() if position is None else rows.double()[position]
     ref = (picked.view(n_tokens, k, dim) * weights.to(dtype).double()[..., None]).sum(1)
     assert out.shape == (n_tokens, dim) and out.dtype == dtype
-    assert _rel(out, ref) < REL_TOL[dtype]
+    assert rel_error(out, ref) < REL_TOL[dtype]
     torch.testing.assert_close(out, topk_weighted_sum_ref(rows, weights, position), rtol=REL_TOL[dtype], atol=1e-3)
 
 
@@ -226,7 +207,7 @@ def test_rms_norm_gpu_3d_and_empty() -> None:
 
     x = torch.randn(3, 5, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, device="cuda", dtype=torch.bfloat16)
-    assert _rel(norm.rms_norm(x, w, 1e-6), rms_norm_ref(x.double(), w.double(), 1e-6)) < 1e-2
+    assert rel_error(norm.rms_norm(x, w, 1e-6), rms_norm_ref(x.double(), w.double(), 1e-6)) < 1e-2
     assert norm.rms_norm(x[:0], w, 1e-6).shape == (0, 5, 256)
 
 
@@ -325,7 +306,7 @@ def test_public_functions_dispatch_to_triton_gpu() -> None:
         fast = call()
         with kernel_backend("torch"):
             slow = call()
-        assert _rel(fast, slow) < 2e-2, name
+        assert rel_error(fast, slow) < 2e-2, name
 
 
 # --- validation (CPU: wrappers raise before launching) ------------------------------------------

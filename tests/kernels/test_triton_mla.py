@@ -15,24 +15,8 @@ import pytest
 import torch
 
 from moeserve.kernels.mla import extend_attention_ref, mla_decode_ref
+from tests.kernels.accuracy import REL_TOL, poison_allocator, rel_error
 from tests.kernels.interpreter import interpreted, run_checks
-
-REPO = Path(__file__).resolve().parents[2]
-REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output (an unwritten element?)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _poison(device: str) -> None:
-    """Fill cached allocator blocks with NaN bytes, so outputs the kernel fails to write show up."""
-    if device != "cuda":
-        return
-    for n in (1 << 20, 1 << 26, 1 << 28):
-        torch.full((n,), 0xFF, dtype=torch.uint8, device=device)  # 0xFF.. is NaN in every float dtype
 
 
 def _scattered_slots(lens: list[int], page_size: int, spare_pages: int = 3) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -67,7 +51,7 @@ def check_mla_decode(device: str, dtype: torch.dtype, heads: int, lens: list[int
     indptr, indices, cache = indptr.to(device, index_dtype), indices.to(device, index_dtype), cache.to(device)
     q = torch.randn(len(lens), heads, latent + rope + 8, device=device).to(dtype)
     q_latent, q_rope = q[..., :latent], q[..., latent + 8:]
-    _poison(device)
+    poison_allocator(device)
     out = mla.mla_decode(q_latent, q_rope, cache, indptr, indices, scale, page_size=page_size if paged else None,
                          config=config or None)
     assert out.shape == q_latent.shape and out.dtype == dtype
@@ -75,7 +59,7 @@ def check_mla_decode(device: str, dtype: torch.dtype, heads: int, lens: list[int
     assert torch.isfinite(ref).all()
     empty = torch.tensor(lens, device=device) == 0
     assert torch.isfinite(out).all() and (out[empty] == 0).all(), "an empty sequence must give zeros"
-    assert _rel(out, ref) < REL_TOL[dtype]
+    assert rel_error(out, ref) < REL_TOL[dtype]
 
 
 def check_extend_attention(device: str, dtype: torch.dtype, heads: int, extend_lens: list[int],
@@ -89,11 +73,11 @@ def check_extend_attention(device: str, dtype: torch.dtype, heads: int, extend_l
     q = torch.randn(n_new, heads, qk_dim + 16, device=device).to(dtype)[..., :qk_dim]
     k = torch.randn(n_ctx, heads, qk_dim, device=device).to(dtype)
     v = torch.randn(n_ctx, heads, qk_dims[0] + v_dim, device=device).to(dtype)[..., qk_dims[0]:]
-    _poison(device)
+    poison_allocator(device)
     out = mla.extend_attention(q, k, v, extend_lens, prefix_lens, scale, config=config or None)
     assert out.shape == (n_new, heads, v_dim) and out.dtype == dtype
     ref = extend_attention_ref(q.double(), k.double(), v.double(), extend_lens, prefix_lens, scale)
-    assert _rel(out, ref) < REL_TOL[dtype]
+    assert rel_error(out, ref) < REL_TOL[dtype]
 
 
 # --- GPU ------------------------------------------------------------------------------------------
@@ -206,7 +190,7 @@ def test_mla_decode_dispatch_and_cuda_graph() -> None:
         load(lens)
         graph.replay()
         ref = mla_decode_ref(q_latent.double(), q_rope.double(), cache.double(), indptr, indices, 0.07)
-        assert _rel(out, ref) < REL_TOL[bf16]
+        assert rel_error(out, ref) < REL_TOL[bf16]
 
 
 @gpu
@@ -231,7 +215,7 @@ def test_extend_attention_dispatch() -> None:
     v = torch.randn(50, 16, 128, device="cuda", dtype=bf16)
     out = extend_attention(q, k, v, [30, 10], [0, 10], 0.07)
     ref = extend_attention_ref(q.double(), k.double(), v.double(), [30, 10], [0, 10], 0.07)
-    assert _rel(out, ref) < REL_TOL[bf16]
+    assert rel_error(out, ref) < REL_TOL[bf16]
 
 
 # --- input validation (CPU, no launch) ------------------------------------------------------------

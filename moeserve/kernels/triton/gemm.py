@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8 import FP8_BLOCK, FP8_DTYPE
+from moeserve.kernels.triton.tma import copy_engine_can_read
 
 SCALE_BLOCK = FP8_BLOCK  # the kernel's K-step rescale assumes DeepSeek-V3's 128
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -445,16 +446,12 @@ def _tma_descriptors(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> tuple | Non
     """Tensor descriptors of ``x [B, rows, K]`` as ``[B * rows, K]`` and ``w [E, N, K]`` as
     ``[E * N, K]``, or None where the copy engine cannot take them: not a Hopper-or-later GPU
     (the interpreter takes them too), rows not 16-byte aligned, batches not back to back."""
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
-        return None
-    if x.numel() == 0 or w.numel() == 0:
+    if x.numel() == 0 or w.numel() == 0 or not copy_engine_can_read(x, w):
         return None
     b, rows, k = x.shape
     e, n, _ = w.shape
-    elt = x.element_size()
-    aligned = all(p % 16 == 0 for p in (x.data_ptr(), w.data_ptr(), x.stride(1) * elt, w.stride(1) * elt))
     packed = (b == 1 or x.stride(0) == rows * x.stride(1)) and (e == 1 or w.stride(0) == n * w.stride(1))
-    if not (aligned and packed and cfg["BLOCK_K"] * elt >= 16 and max(cfg["BLOCK_M"], cfg["BLOCK_N"]) <= 256):
+    if not (packed and cfg["BLOCK_K"] * x.element_size() >= 16 and max(cfg["BLOCK_M"], cfg["BLOCK_N"]) <= 256):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.triton import mla_hopper
+from moeserve.kernels.triton.tma import copy_engine_can_read
 
 LOG2E = 1.4426950408889634
 DECODE_CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "num_kv_splits", "LAZY_RESCALE",
@@ -405,7 +406,7 @@ def _page_descriptors(kv_cache: torch.Tensor, latent_dim: int, page_size: int | 
     each), or None where blocks must be gathered row by row: no page size, pages not a multiple
     of ``BLOCK_N``, head dims the halves cannot take, rows not 16-byte aligned, a GPU before
     Hopper (the interpreter takes them)."""
-    if page_size is None or not cfg.get("PAGED", True) or page_size % cfg["BLOCK_N"]:
+    if page_size is None or not cfg["PAGED"] or page_size % cfg["BLOCK_N"]:
         return None
     half, rope_dim = latent_dim // 2, kv_cache.shape[1] - latent_dim
 
@@ -414,10 +415,7 @@ def _page_descriptors(kv_cache: torch.Tensor, latent_dim: int, page_size: int | 
 
     if latent_dim != 2 * half or not (fits(half) and fits(rope_dim)):
         return None
-    if kv_cache.device.type == "cuda" and torch.cuda.get_device_capability(kv_cache.device) < (9, 0):
-        return None
-    elt = kv_cache.element_size()
-    if kv_cache.data_ptr() % 16 or (kv_cache.stride(0) * elt) % 16 or kv_cache.shape[0] >= 2**31:
+    if not copy_engine_can_read(kv_cache) or kv_cache.shape[0] >= 2**31:  # slots are int32 coordinates
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -32,11 +32,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from moeserve.kernels.triton.tma import copy_engine_can_read
+
 BLOCK_H = gl.constexpr(64)  # heads per program: one wgmma row block
 BLOCK_N = gl.constexpr(64)  # keys per block; pages must hold a multiple of it
 LATENT = gl.constexpr(512)
 ROPE = gl.constexpr(64)
 HALF = gl.constexpr(256)  # each warpgroup's share of the output columns
+# wgmma accumulators of one warpgroup: the 64 x 64 score tile and a 64 x 256 output half
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N.value, 16]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HALF.value, 16]))
 
 
 @gluon.jit
@@ -98,11 +105,8 @@ def _zero_tail(a, b, valid, BN: gl.constexpr):
 
 @gluon.jit
 def _issue_scores(q_lat, q_rope, lat_a, lat_b, rope, kv_ready, j, n_tokens):
-    """Wait for block ``j`` and start ``S = Q K^T`` on it (asynchronously); rows of a partial
-    block past the split's end are zeroed first (they hold whatever their slots hold, NaN too:
-    P is 0 there, but 0 * NaN is not)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+    """Wait for block ``j`` (zeroing the rows of a partial block past the split's end) and start
+    ``S = Q K^T`` on it, asynchronously."""
     stage = j % 2
     mbarrier.wait(kv_ready.index(stage), (j // 2) & 1)
     a = lat_a.index(stage)
@@ -111,7 +115,7 @@ def _issue_scores(q_lat, q_rope, lat_a, lat_b, rope, kv_ready, j, n_tokens):
     if valid < BLOCK_N:
         _zero_tail(a, b, valid, BLOCK_N)
     s = warpgroup_mma(q_lat.slice(0, HALF, dim=1), a.permute((1, 0)),
-                      gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                      gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
     s = warpgroup_mma(q_lat.slice(HALF, HALF, dim=1), b.permute((1, 0)), s, is_async=True)
     return warpgroup_mma(q_rope, rope.index(stage).permute((1, 0)), s, is_async=True)
 
@@ -120,11 +124,7 @@ def _issue_scores(q_lat, q_rope, lat_a, lat_b, rope, kv_ready, j, n_tokens):
 def _softmax_and_left(s, j, o, m_i, l_i, lat_a, p_smem, alpha_smem, p_ready, p_free, n_tokens, qk_scale):
     """Online softmax of block ``j``'s scores, ``P`` and the rescale factor handed to warpgroup 1,
     and the left-half update started: returns the asynchronous ``o``."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
     s = gl.where((keys < n_tokens - j * BLOCK_N)[None, :], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     alpha = gl.exp2(m_i - m_new)
@@ -136,7 +136,7 @@ def _softmax_and_left(s, j, o, m_i, l_i, lat_a, p_smem, alpha_smem, p_ready, p_f
     alpha_smem.store(alpha)
     fence_async_shared()
     mbarrier.arrive(p_ready)
-    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
     o = warpgroup_mma(p_smem, lat_a.index(j % 2), o, is_async=True)
     return o, m_new, l_i
 
@@ -146,13 +146,9 @@ def _wg0_scores_and_left(q_lat, q_rope, lat_a, lat_b, rope, p_smem, alpha_smem, 
                          n_blocks, n_tokens, qk_scale,
                          out, lse, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, seq, split, head0,
                          num_heads, SINGLE_SPLIT: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
-    o = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    o = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
     for j in range(n_blocks):
         s = _issue_scores(q_lat, q_rope, lat_a, lat_b, rope, kv_ready, j, n_tokens)
         s = warpgroup_mma_wait(0, deps=(s, q_lat, q_rope, lat_a, lat_b, rope))[0]
@@ -164,14 +160,14 @@ def _wg0_scores_and_left(q_lat, q_rope, lat_a, lat_b, rope, p_smem, alpha_smem, 
     mbarrier.wait(p_free, (n_blocks & 1) ^ 1)
     alpha_smem.store(l_i)
     mbarrier.arrive(p_ready)
-    _store_half(o, gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), out, seq, split, head0, num_heads,
-                stride_ob, stride_oh, stride_os, 0, o_layout)
+    _store_half(o, gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT)), out, seq, split, head0, num_heads,
+                stride_ob, stride_oh, stride_os, 0)
     if not SINGLE_SPLIT:
-        heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+        heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_LAYOUT))
         has_tokens = l_i > 0
         split_lse = gl.where(has_tokens, m_i + gl.log2(gl.where(has_tokens, l_i, 1.0)), float("-inf"))
         gl.store(lse + seq * stride_lb + heads * stride_lh + split, split_lse, mask=heads < num_heads)
-    return (m_i,)
+    return (m_i,)  # a default partition must return a tuple; nothing reads it
 
 
 @gluon.jit
@@ -181,10 +177,9 @@ def _zero_rows(part, rows, valid, layout: gl.constexpr):
 
 
 @gluon.jit
-def _store_half(o, l_o, out, seq, split, head0, num_heads, stride_ob, stride_oh, stride_os, col0,
-                o_layout: gl.constexpr):
-    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+def _store_half(o, l_o, out, seq, split, head0, num_heads, stride_ob, stride_oh, stride_os, col0):
+    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
+    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT))
     o = o / gl.where(l_o > 0, l_o, 1.0)[:, None]
     ptrs = out + seq * stride_ob + split * stride_os + heads[:, None] * stride_oh + cols[None, :]
     gl.store(ptrs, o.to(out.dtype.element_ty), mask=(heads < num_heads)[:, None])
@@ -194,17 +189,15 @@ def _store_half(o, l_o, out, seq, split, head0, num_heads, stride_ob, stride_oh,
 def _wg1_loads_and_right(desc_latent, desc_rope, kv_indices, block_start, lat_a, lat_b, rope, p_smem, alpha_smem,
                          kv_ready, kv_free, p_ready, p_free, n_blocks,
                          out, stride_ob, stride_oh, stride_os, seq, split, head0, num_heads):
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
     for j in gl.static_range(2):  # prologue: both stages
         if j < n_blocks:
             _load_block(desc_latent, desc_rope, kv_indices, block_start, j, j, lat_a, lat_b, rope, kv_ready, BLOCK_N)
-    o = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    o = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
     for j in range(n_blocks):
         stage = j % 2
         b = lat_b.index(stage)
         mbarrier.wait(p_ready, j & 1)
-        alpha = alpha_smem.load(gl.SliceLayout(1, o_layout))
+        alpha = alpha_smem.load(gl.SliceLayout(1, O_LAYOUT))
         o = o * alpha[:, None]
         o = warpgroup_mma(p_smem, b, o, is_async=True)
         o = warpgroup_mma_wait(0, deps=(o, p_smem, b))[0]
@@ -215,8 +208,8 @@ def _wg1_loads_and_right(desc_latent, desc_rope, kv_indices, block_start, lat_a,
             _load_block(desc_latent, desc_rope, kv_indices, block_start, j + 2, stage, lat_a, lat_b, rope, kv_ready,
                         BLOCK_N)
     mbarrier.wait(p_ready, n_blocks & 1)
-    l_o = alpha_smem.load(gl.SliceLayout(1, o_layout))
-    _store_half(o, l_o, out, seq, split, head0, num_heads, stride_ob, stride_oh, stride_os, HALF, o_layout)
+    l_o = alpha_smem.load(gl.SliceLayout(1, O_LAYOUT))
+    _store_half(o, l_o, out, seq, split, head0, num_heads, stride_ob, stride_oh, stride_os, HALF)
 
 
 @gluon.jit
@@ -277,8 +270,7 @@ def decode_supported(q_latent: torch.Tensor, kv_cache: torch.Tensor, page_size: 
         return False
     if q_latent.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q_latent.dtype:
         return False
-    elt = kv_cache.element_size()
-    return kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(0) * elt) % 16 == 0 and kv_cache.shape[0] < 2**31
+    return copy_engine_can_read(kv_cache) and kv_cache.shape[0] < 2**31  # slots are int32 coordinates
 
 
 def decode_splits(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
