@@ -341,6 +341,14 @@ class EngineConfig:
         return self.scheduler.context_length or self.model.max_position_embeddings
 
 
+def default_page_size(device: str) -> int:
+    """KV page size when none is given: 64 slots on CUDA, where the Hopper decode kernel reads a
+    sequence's cache a whole 64-row page block at a time (as FlashMLA, which SGLang and vLLM run
+    with 64-slot pages; about 2x faster attention than gathering rows from 16-slot pages on an
+    H200), 16 elsewhere (finer prefix-cache reuse, nothing to gain from larger blocks)."""
+    return 64 if device == "cuda" else 16
+
+
 _SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
              "runner": RunnerConfig}
 
@@ -358,6 +366,8 @@ def build_engine_config(model_path: str | None = None, **settings: Any) -> Engin
             raise ValueError(f"unknown setting {key!r}; known settings: {', '.join(sorted(fields))}")
         by_section[fields[key]][key] = value
     load = LoadConfig(model_path=model_path, **by_section["load"])
+    if by_section["cache"].get("page_size") is None:
+        by_section["cache"]["page_size"] = default_page_size(load.device)
     if model_path is None:
         raise ValueError("model_path is required")
     return EngineConfig(

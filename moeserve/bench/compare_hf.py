@@ -55,7 +55,7 @@ from moeserve.bench.one_batch import (
     release,
     sync,
 )
-from moeserve.config import EngineConfig, ModelConfig
+from moeserve.config import EngineConfig, ModelConfig, default_page_size
 from moeserve.core import ForwardMode, ScheduleBatch, ScheduledSeq
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.models.loader import checkpoint_slots
@@ -521,7 +521,8 @@ def run_compare_hf(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
     else:
         ceilings = measure_cpu_ceilings()
-    config: EngineConfig = engine_config_from_args(args, spec.max_batch, spec.kv_tokens(args.page_size))
+    page = args.page_size or default_page_size(args.device)
+    config: EngineConfig = engine_config_from_args(args, spec.max_batch, spec.kv_tokens(page))
     runner = ModelRunner(config)
     report = compare(runner, spec, ceilings, args.hf_attn_implementation, args.hf_experts_implementation)
     print(format_report(report))

@@ -4,6 +4,8 @@
 device-to-device copy (bytes read + written), a large bf16 matmul and an fp8 matmul through
 torch (cuBLAS); each case reports its achieved TFLOP/s and GB/s, the fraction of the ceiling it
 is bound by, and, where the case has one, the time of its baseline (a torch version) beside it.
+Times are the device's (calls queued behind a spin kernel, as a CUDA graph replays them); the
+"eager ms" column adds the host's launch cost, as an eager caller sees it.
 Cases live in ``moeserve/bench/kernel_cases/*.py``, each module exporting ``cases()``.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -51,24 +54,64 @@ class CaseResult:
     of_ceiling: float  # achieved rate / the measured ceiling of the binding resource
     baseline_ms: float | None = None
     baseline_name: str = ""
+    eager_ms: float | None = None  # one call with the device waiting for the host's launches
     notes: str = ""
     extra: dict = field(default_factory=dict)
 
 
-def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
-    """Median time of ``fn`` in milliseconds, by CUDA events after ``warmup`` calls."""
+def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30, *, queued: bool = True) -> float:
+    """Median time of one ``fn()`` in milliseconds, by CUDA events after ``warmup`` calls.
+
+    ``queued`` (the default) times the device's work: each timed call is put behind a spin
+    kernel long enough that the host has issued the start event, every launch of ``fn`` and the
+    end event before the device reaches them, so the events see the kernels back to back, as a
+    CUDA graph replays them (how the engine runs decode). ``queued=False`` lets the device wait
+    for the host between launches, so the time includes the host's launch cost: what an eager
+    caller sees. For a call of a few hundred microseconds the two differ by up to ~40% on an
+    H200 host (Triton launches cost 20-80 us each of host time).
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    spin_cycles = _spin_cycles(fn) if queued else 0
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if spin_cycles:
+            torch.cuda._sleep(spin_cycles)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def _spin_cycles(fn: Callable[[], object], clock_ghz: float = 2.0) -> int:
+    """Spin-kernel length (device clock cycles) that outlasts the host's issue of ``fn``: four
+    times its measured host time, at least 0.5 ms at ``clock_ghz`` (above the H200's boost
+    clock, so the spin is never shorter than intended)."""
+    torch.cuda._sleep(int(20e6))  # keep the device busy so the host time below is issue time only
+    start = time.perf_counter()
+    fn()
+    host_us = (time.perf_counter() - start) * 1e6
+    torch.cuda.synchronize()
+    return int(max(500.0, 4 * host_us) * clock_ghz * 1e3)
+
+
+def graph_ms(fn: Callable[[], object], iters: int = 30, repeat: int = 1) -> float | None:
+    """Median time of one ``fn()`` replayed from a CUDA graph of ``repeat`` calls, or None when
+    ``fn`` cannot be captured (it synchronises with the host, say)."""
+    fn()  # compile and allocate before capturing
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(repeat):
+                fn()
+    except RuntimeError:
+        return None
+    return time_ms(graph.replay, iters=iters) / repeat
 
 
 def measure_ceilings() -> Ceilings:
@@ -105,7 +148,8 @@ def run_case(case: KernelCase, ceil: Ceilings) -> CaseResult:
     else:
         bound, frac = "memory", gbps / ceil.copy_gbps
     base = time_ms(case.baseline) if case.baseline is not None else None
-    return CaseResult(case.name, ms, tflops, gbps, bound, frac, base, case.baseline_name if base else "",
+    eager = time_ms(case.run, queued=False)
+    return CaseResult(case.name, ms, tflops, gbps, bound, frac, base, case.baseline_name if base else "", eager,
                       case.notes)
 
 
@@ -121,11 +165,12 @@ def collect_cases(only: str | None = None) -> list[KernelCase]:
 def format_table(ceil: Ceilings, results: list[CaseResult]) -> str:
     lines = [f"ceilings: copy {ceil.copy_gbps:.0f} GB/s, bf16 matmul {ceil.bf16_tflops:.0f} TFLOP/s, "
              f"fp8 matmul {ceil.fp8_tflops:.0f} TFLOP/s",
-             f"{'case':58s} {'ms':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'bound':>7s} {'%ceil':>6s} {'base ms':>9s} {'speedup':>7s}"]
+             f"{'case':58s} {'ms':>9s} {'eager ms':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'bound':>7s} {'%ceil':>6s} "
+             f"{'base ms':>9s} {'speedup':>7s}"]
     for r in results:
         base = f"{r.baseline_ms:9.3f}" if r.baseline_ms else " " * 9
         speed = f"{r.baseline_ms / r.ms:6.2f}x" if r.baseline_ms else ""
-        lines.append(f"{r.name:58s} {r.ms:9.4f} {r.tflops:8.1f} {r.gbps:7.0f} {r.bound:>7s} "
+        lines.append(f"{r.name:58s} {r.ms:9.4f} {r.eager_ms or 0:9.4f} {r.tflops:8.1f} {r.gbps:7.0f} {r.bound:>7s} "
                      f"{100 * r.of_ceiling:5.1f}% {base} {speed}")
     return "\n".join(lines)
 

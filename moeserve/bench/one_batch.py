@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.config import EngineConfig, ModelConfig, build_engine_config
+from moeserve.config import EngineConfig, ModelConfig, build_engine_config, default_page_size
 from moeserve.core import ForwardMode, Req, SamplingParams, ScheduleBatch, ScheduledSeq
 from moeserve.executor.model_runner import ModelRunner
 
@@ -50,7 +50,7 @@ def add_model_args(p: argparse.ArgumentParser, preset: str | None = None, num_la
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=default_device(), choices=["cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0, help="seeds random weights and prompts")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None, help="KV page size (default: 64 on CUDA, 16 on CPU)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--mem-fraction-static", type=float, default=0.88)
     p.add_argument("--quantization", default=None, choices=["fp8"], help="keep weights in FP8 (block-scaled)")
@@ -91,7 +91,8 @@ def engine_config_from_args(args: argparse.Namespace, max_running_requests: int,
                             max_total_tokens: int | None = None) -> EngineConfig:
     """The engine the flags describe; ``max_total_tokens`` sizes the KV cache unless the flag does."""
     settings = {
-        "device": args.device, "dtype": args.dtype, "seed": args.seed, "page_size": args.page_size,
+        "device": args.device, "dtype": args.dtype, "seed": args.seed,
+        "page_size": args.page_size or default_page_size(args.device),
         "max_total_tokens": args.max_total_tokens or max_total_tokens,
         "mem_fraction_static": args.mem_fraction_static, "quantization": args.quantization,
         "disable_cuda_graph": args.disable_cuda_graph, "cuda_graph_max_bs": args.cuda_graph_max_bs,
@@ -330,7 +331,8 @@ def environment(config: EngineConfig) -> dict[str, typing.Any]:
 
 def run_one_batch_benchmark(args: argparse.Namespace) -> int:
     """``moeserve bench one-batch``: one runner, one run per batch size."""
-    need = max(args.batch_size) * (args.input_len + args.output_len + args.page_size)
+    page = args.page_size or default_page_size(args.device)
+    need = max(args.batch_size) * (args.input_len + args.output_len + page)
     config = engine_config_from_args(args, max(args.batch_size), None if args.device == "cuda" else need)
     runner = ModelRunner(config)
     results = []

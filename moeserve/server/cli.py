@@ -16,7 +16,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV-cache page (default: 64 on CUDA, where decode reads whole pages; 16 on CPU)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--mem-fraction-static", type=float, default=0.88)
     p.add_argument("--chunked-prefill-size", type=int, default=8192, help="prefill tokens per step; <= 0 disables")

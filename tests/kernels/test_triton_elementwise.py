@@ -117,7 +117,8 @@ def check_per_token_group_quant(device: str, dtype: torch.dtype, lead: tuple[int
     # a tie may round the other way: one e4m3 step (2^-3 relative, 2^-9 of the scale below normals)
     step = deq_ref.abs() * 2.0**-3 + s_ref.repeat_interleave(group_size, dim=-1)[..., :k] * 2.0**-9
     assert ((deq - deq_ref).abs() <= step + 1e-30).all()
-    assert (q.float() != q_ref.float()).float().mean().item() < 1e-3
+    # ties are rare: at most 0.1% of the values, or two in a small input (800 values had one)
+    assert (q.float() != q_ref.float()).sum().item() <= max(2, 1e-3 * q.numel())
     assert q.float().abs().max().item() <= FP8_MAX
 
 

@@ -107,7 +107,9 @@ def test_mla_decode_gpu(heads: int, config: dict) -> None:
 @gpu
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("config", [{}, {"PAGED": True}, {"num_kv_splits": 1}, {"num_kv_splits": 5},
-                                    {"LAZY_RESCALE": True, "PAGED": True}, {"BLOCK_N": 16, "num_kv_splits": 3, "PAGED": True}])
+                                    {"PAGED": True, "HOPPER_WS": False},
+                                    {"LAZY_RESCALE": True, "PAGED": True, "HOPPER_WS": False},
+                                    {"BLOCK_N": 16, "num_kv_splits": 3, "PAGED": True}])
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_mla_decode_paged_gpu(heads: int, config: dict, page_size: int) -> None:
     """Whole blocks through the copy engine (where the page size is a multiple of BLOCK_N), with
@@ -163,13 +165,15 @@ def test_small_model_dims_gpu(dtype: torch.dtype) -> None:
 
 
 @gpu
-def test_mla_decode_dispatch_and_cuda_graph() -> None:
-    """The public function routes CUDA tensors to Triton, and a captured call replays correctly
-    on new lengths and slots (no host sync inside)."""
+@pytest.mark.parametrize(("heads", "page_size"), [(128, None), (128, 64), (16, 64)])
+def test_mla_decode_dispatch_and_cuda_graph(heads: int, page_size: int | None) -> None:
+    """The public function routes CUDA tensors to Triton (to the Gluon kernel when told of
+    64-slot pages on Hopper), and a captured call replays correctly on new lengths and slots
+    (no host sync inside)."""
     from moeserve.kernels.mla import mla_decode
 
     torch.manual_seed(5)
-    batch, heads, latent, rope, max_tokens = 4, 128, 512, 64, 1024
+    batch, latent, rope, max_tokens = 4, 512, 64, 1024
     cache = torch.randn(4 * max_tokens, latent + rope, device="cuda", dtype=bf16)
     q_latent = torch.randn(batch, heads, latent, device="cuda", dtype=bf16)
     q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=bf16)
@@ -177,15 +181,15 @@ def test_mla_decode_dispatch_and_cuda_graph() -> None:
     indices = torch.zeros(batch * max_tokens, dtype=torch.int64, device="cuda")
 
     def load(lens: list[int]) -> None:
-        ptr, idx, _ = _scattered_slots(lens, 16)
+        ptr, idx, _ = _scattered_slots(lens, page_size or 16)
         indptr.copy_(ptr)
         indices[:idx.numel()].copy_(idx)
 
     load([5, 1, 300, 1000])
-    mla_decode(q_latent, q_rope, cache, indptr, indices, 0.07)  # compile outside the capture
+    mla_decode(q_latent, q_rope, cache, indptr, indices, 0.07, page_size=page_size)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = mla_decode(q_latent, q_rope, cache, indptr, indices, 0.07)
+        out = mla_decode(q_latent, q_rope, cache, indptr, indices, 0.07, page_size=page_size)
     for lens in ([17, 900, 3, 64], [1000, 1, 1, 2]):
         load(lens)
         graph.replay()

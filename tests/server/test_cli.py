@@ -51,3 +51,18 @@ def test_bench_subcommands_are_wired():
     assert one.func is cmd_bench_one_batch and one.batch_size == [32, 128] and one.quantization == "fp8"
     cmp = build_parser().parse_args(["bench", "compare-hf"])
     assert cmp.func is cmd_bench_compare_hf and (cmp.preset, cmp.num_layers) == ("dsv3", 4)
+
+
+def test_page_size_defaults_by_device(tmp_path):
+    """64-slot pages on CUDA (the Hopper decode kernel reads whole 64-row page blocks), 16 on the
+    CPU; a given size is kept on either."""
+    from moeserve.config import build_engine_config
+    from moeserve.server.cli import build_parser, engine_settings
+
+    out = make_tiny_model(str(tmp_path / "m"))
+    sizes = {}
+    for device, flags in [("cpu", []), ("cuda", []), ("cuda", ["--page-size", "16"]), ("cpu", ["--page-size", "8"])]:
+        args = build_parser().parse_args(["serve", "--model-path", out, "--device", device, *flags])
+        sizes[(device, *flags)] = build_engine_config(args.model_path, **engine_settings(args)).cache.page_size
+    assert sizes == {("cpu",): 16, ("cuda",): 64, ("cuda", "--page-size", "16"): 16, ("cpu", "--page-size", "8"): 8}
+    assert build_engine_config(out, device="cuda").cache.page_size == 64  # the offline LLM's path

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.bench.kernels import KernelCase, copy_gbps, time_ms
+from moeserve.bench.kernels import KernelCase, copy_gbps, graph_ms, time_ms
 
 TOKENS = (8192, 128)  # a prefill chunk and a decode batch
 HIDDEN = 7168
@@ -84,20 +84,10 @@ def _time_candidate(shape: Shape, cfg: dict, ref_out: object, iters: int) -> flo
         return None
 
 
-def _graph_ms(fn: Callable[[], object], iters: int, repeat: int = 10) -> float:
-    """Time of one ``fn()`` replayed from a CUDA graph of ``repeat`` calls (eagerly if capture fails)."""
-    fn()  # compile before capturing
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(repeat):
-                fn()
-    except RuntimeError:
-        return time_ms(fn, iters=iters)
-    ms = time_ms(graph.replay, iters=iters) / repeat
-    del graph
-    return ms
+def _graph_ms(fn: Callable[[], object], iters: int) -> float:
+    """Time of one ``fn()`` replayed from a CUDA graph of 10 calls (eagerly if capture fails)."""
+    ms = graph_ms(fn, iters, repeat=10)
+    return ms if ms is not None else time_ms(fn, iters=iters)
 
 
 def _shapes() -> list[Shape]:

@@ -286,13 +286,16 @@ def _sweep_configs(name: str, run: Callable[[dict], torch.Tensor], ref: torch.Te
 
 def _sweep_decode(shape: DecodeShape, device: str = "cuda") -> tuple[float, dict] | None:
     from moeserve.kernels.triton import mla as triton_mla
+    from moeserve.kernels.triton import mla_hopper
 
     inp = decode_inputs(shape, seed=1, device=device)
     upcast = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inp.items()}
     ref = decode_dense_torch(upcast, shape.batch, shape.context)
     del upcast
     row_bytes = inp["kv_cache"].shape[1] * inp["kv_cache"].element_size()
-    base = triton_mla.decode_config(shape.batch, shape.heads, row_bytes, inp["q_latent"].device, PAGE_SIZE)
+    hopper = mla_hopper.decode_supported(inp["q_latent"], inp["kv_cache"], PAGE_SIZE, mla_hopper.BLOCK_H.value,
+                                         mla_hopper.BLOCK_N.value)
+    base = triton_mla.decode_config(shape.batch, shape.heads, row_bytes, inp["q_latent"].device, PAGE_SIZE, hopper)
 
     def run(cfg: dict) -> torch.Tensor:
         return triton_mla.mla_decode(**inp, page_size=PAGE_SIZE, config=cfg)

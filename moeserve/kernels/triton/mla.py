@@ -270,21 +270,27 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def decode_config(batch: int, num_heads: int, row_bytes: int, device: torch.device,
-                  page_size: int | None = None) -> dict:
+                  page_size: int | None = None, hopper_kernel: bool = False) -> dict:
     """Default launch parameters from static facts only (no context lengths: graph-safe);
     ``row_bytes`` is the size of one cache row ((L + R) * element size; 1152 for DeepSeek bf16),
-    ``page_size`` the cache's pages, if the caller gives them.
+    ``page_size`` the cache's pages, if the caller gives them; ``hopper_kernel``: the Gluon
+    kernel of ``mla_hopper`` takes these inputs (``mla_hopper.decode_supported``).
 
-    Wide head blocks (>= 64 heads, so Hopper's 64-row wgmma applies) are compute-bound and
-    hold a [64, L] fp32 accumulator, one program per SM: aim for ~1 wave (on the H200, 128
-    sequences x 128 heads ran fastest unsplit, 4 long ones with 16 splits). Narrow ones are
-    bandwidth-bound and several fit on an SM: aim for ~2 waves.
-    Wider rows (fp32, larger latents) get smaller tiles to fit registers and shared memory.
-    Wide head blocks read whole blocks of a page through the copy engine where the pages allow
-    (0.61 vs 0.66 ms gathering rows, at 128 x 4096, 128 heads on the H200, with 2 stages instead
-    of 3); narrow ones gather rows, which ran faster there (2221 vs 1998 GB/s at 64 x 8192).
+    The Gluon kernel is the default wherever it applies, for any head count: on the H200 it ran
+    128 sequences x 4096, 128 heads in 0.28 ms against 0.51 ms for the Triton kernel over page
+    blocks, and 64 x 8192 with 16 heads (padded to its 64-row tiles, still under the memory
+    floor) in 0.160 ms against 0.217 ms for the Triton row gather (device times, 2026-11-29;
+    `tools/mla_decode_timing.py`).
+    Elsewhere, wide head blocks (>= 64 heads, so Hopper's 64-row wgmma applies) are compute-bound
+    and hold a [64, L] fp32 accumulator, one program per SM: aim for ~1 wave; they read whole
+    blocks of a page through the copy engine where the pages allow. Narrow ones are
+    bandwidth-bound and several fit on an SM: aim for ~2 waves. Wider rows (fp32, larger latents)
+    get smaller tiles to fit registers and shared memory.
     """
-    if row_bytes > 1152:
+    if hopper_kernel:
+        cfg = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+        waves = 1  # one program per SM (230 KB of shared memory); 16 heads x 64: 2 splits beat 4 and 8
+    elif row_bytes > 1152:
         cfg = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
         waves = 4
     elif num_heads >= 64:
@@ -296,7 +302,7 @@ def decode_config(batch: int, num_heads: int, row_bytes: int, device: torch.devi
     cfg.setdefault("LAZY_RESCALE", False)
     cfg["WS"] = False
     cfg["PAGED"] = cfg["BLOCK_H"] >= 64
-    cfg["HOPPER_WS"] = True  # 64-head blocks over 64-slot pages on Hopper: the Gluon kernel (mla_hopper)
+    cfg["HOPPER_WS"] = hopper_kernel
     if cfg["PAGED"] and page_size is not None and page_size % cfg["BLOCK_N"] == 0:
         cfg["num_stages"] = 2
     programs = triton.cdiv(num_heads, cfg["BLOCK_H"]) * max(batch, 1)
@@ -365,8 +371,9 @@ def mla_decode(
     on the device) -> ``[B, H, L]`` in q's dtype. ``page_size``: the cache is paged, token ``t``
     of a sequence at slot ``page * page_size + t % page_size``; blocks of tokens are then read
     whole by the copy engine where the tiles allow (``PAGED`` in the config turns that off), and
-    64-head blocks over pages of a multiple of 64 slots on Hopper run the warp-specialised Gluon
-    kernel of ``mla_hopper`` (``HOPPER_WS`` turns that off). ``config`` overrides ``decode_config``.
+    on Hopper, with pages of a multiple of 64 slots, the warp-specialised Gluon kernel of
+    ``mla_hopper`` runs (heads in blocks of 64, padded; ``HOPPER_WS=False`` turns that off and
+    takes the Triton kernels' defaults). ``config`` overrides ``decode_config``.
     """
     _check_decode_inputs(q_latent, q_rope, kv_cache, kv_indptr, kv_indices)
     _check_scale(scale)
@@ -374,14 +381,16 @@ def mla_decode(
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     batch, num_heads, latent_dim = q_latent.shape
     row_bytes = kv_cache.shape[1] * kv_cache.element_size()
-    cfg = _merge_config(decode_config(batch, num_heads, row_bytes, q_latent.device, page_size), config,
-                        DECODE_CONFIG_KEYS)
+    hopper_tiles = mla_hopper.BLOCK_H.value, mla_hopper.BLOCK_N.value
+    hopper_kernel = (config or {}).get("HOPPER_WS", True) and \
+        mla_hopper.decode_supported(q_latent, kv_cache, page_size, *hopper_tiles)
+    cfg = _merge_config(decode_config(batch, num_heads, row_bytes, q_latent.device, page_size, hopper_kernel),
+                        config, DECODE_CONFIG_KEYS)
     out = q_latent.new_empty(batch, num_heads, latent_dim)
     if batch == 0 or num_heads == 0:
         return out
     splits = cfg["num_kv_splits"]
-    if cfg["HOPPER_WS"] and cfg["PAGED"] and \
-            mla_hopper.decode_supported(q_latent, kv_cache, page_size, cfg["BLOCK_H"], cfg["BLOCK_N"]):
+    if hopper_kernel and cfg["PAGED"] and (cfg["BLOCK_H"], cfg["BLOCK_N"]) == hopper_tiles:
         stage_1 = functools.partial(mla_hopper.decode_splits, q_latent, q_rope, kv_cache, kv_indptr, kv_indices,
                                     scale * LOG2E, splits)
     else:

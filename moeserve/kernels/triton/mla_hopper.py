@@ -1,7 +1,9 @@
 """MLA decode for Hopper in Gluon (Triton's explicit dialect): two warpgroups with different roles.
 
-Used for wide head blocks (64 heads per program, DeepSeek's 128 heads in two) over caches in
-pages of a multiple of 64 slots. Plain Triton runs every operation on all warps, so both
+Used on Hopper for caches in pages of a multiple of 64 slots, heads in blocks of 64 per program
+(DeepSeek's 128 heads in two; fewer heads, as under tensor parallelism, padded to 64 rows: the
+MMA work grows but stays under the memory floor, and whole-page loads beat the Triton kernel's
+row gather there too). Plain Triton runs every operation on all warps, so both
 warpgroups of its 64-head tile re-read the whole query from shared memory for every score tile,
 and loads, MMAs and softmax never overlap; it stays near 30% of the matmul rate there. Here:
 
