@@ -359,6 +359,13 @@ def build_engine_config(model_path: str | None = None, **settings: Any) -> Engin
     The CLI and the offline ``LLM`` both come through here, so a flag and a keyword argument of
     the same name always mean the same thing.
     """
+    if model_path is None:
+        raise ValueError("model_path is required")
+    return engine_config_for(ModelConfig.from_path(model_path), model_path=model_path, **settings)
+
+
+def engine_config_for(model: ModelConfig, model_path: str | None = None, **settings: Any) -> EngineConfig:
+    """``build_engine_config`` for a ``ModelConfig`` already in hand (a preset has no config.json)."""
     by_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     fields = {f: name for name, cls in _SECTIONS.items() for f in cls.__dataclass_fields__}
     for key, value in settings.items():
@@ -368,10 +375,8 @@ def build_engine_config(model_path: str | None = None, **settings: Any) -> Engin
     load = LoadConfig(model_path=model_path, **by_section["load"])
     if by_section["cache"].get("page_size") is None:
         by_section["cache"]["page_size"] = default_page_size(load.device)
-    if model_path is None:
-        raise ValueError("model_path is required")
     return EngineConfig(
-        model=ModelConfig.from_path(model_path), load=load,
+        model=model, load=load,
         cache=CacheConfig(**by_section["cache"]), scheduler=SchedulerConfig(**by_section["scheduler"]),
         parallel=ParallelConfig(**by_section["parallel"]), runner=RunnerConfig(**by_section["runner"]),
     )

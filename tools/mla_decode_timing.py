@@ -28,15 +28,14 @@ from moeserve.bench.kernel_cases.mla import (
     DecodeShape,
     decode_inputs,
 )
-from moeserve.bench.kernels import Ceilings, graph_ms, measure_ceilings, time_ms
+from moeserve.bench.kernels import Ceilings, graph_ms, measure_ceilings, share_of_ceiling, time_ms
 from moeserve.kernels.triton import mla
 
 
 def rate(shape: DecodeShape, ms: float, ceil: Ceilings) -> str:
     """The achieved rate as a share of the ceiling that bounds the case."""
-    if shape.flops / ceil.bf16_tflops / 1e9 >= shape.bytes / ceil.copy_gbps / 1e6:
-        return f"{100 * shape.flops / ms / 1e9 / ceil.bf16_tflops:5.1f}% of matmul"
-    return f"{100 * shape.bytes / ms / 1e6 / ceil.copy_gbps:5.1f}% of copy"
+    bound, share = share_of_ceiling(shape.flops, shape.bytes, ms, ceil)
+    return f"{100 * share:5.1f}% of {'matmul' if bound == 'compute' else 'copy'}"
 
 
 def main() -> None:

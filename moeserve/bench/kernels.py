@@ -136,17 +136,20 @@ def copy_gbps(numel: int, iters: int = 20) -> float:
     return 2 * numel * 4 / time_ms(lambda: dst.copy_(src), iters=iters) / 1e6
 
 
+def share_of_ceiling(flops: float, nbytes: float, ms: float, ceil: Ceilings, fp8: bool = False) -> tuple[str, float]:
+    """``("compute" | "memory", achieved rate / that ceiling)`` for work of ``flops`` and ``nbytes``
+    done in ``ms``: the resource whose floor (the work at the ceiling's rate) is larger binds."""
+    rate = ceil.fp8_tflops if fp8 else ceil.bf16_tflops
+    if flops / rate / 1e9 >= nbytes / ceil.copy_gbps / 1e6:
+        return "compute", flops / ms / 1e9 / rate
+    return "memory", nbytes / ms / 1e6 / ceil.copy_gbps
+
+
 def run_case(case: KernelCase, ceil: Ceilings) -> CaseResult:
     ms = time_ms(case.run)
     tflops = case.flops / ms / 1e9
     gbps = case.bytes / ms / 1e6
-    rate = ceil.fp8_tflops if "fp8" in case.name else ceil.bf16_tflops
-    compute_floor = case.flops / rate / 1e9
-    memory_floor = case.bytes / ceil.copy_gbps / 1e6
-    if compute_floor >= memory_floor:
-        bound, frac = "compute", tflops / rate
-    else:
-        bound, frac = "memory", gbps / ceil.copy_gbps
+    bound, frac = share_of_ceiling(case.flops, case.bytes, ms, ceil, fp8="fp8" in case.name)
     base = time_ms(case.baseline) if case.baseline is not None else None
     eager = time_ms(case.run, queued=False)
     return CaseResult(case.name, ms, tflops, gbps, bound, frac, base, case.baseline_name if base else "", eager,

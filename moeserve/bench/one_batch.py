@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.config import EngineConfig, ModelConfig, build_engine_config, default_page_size
+from moeserve.config import EngineConfig, build_engine_config, default_page_size, engine_config_for
 from moeserve.core import ForwardMode, Req, SamplingParams, ScheduleBatch, ScheduledSeq
 from moeserve.executor.model_runner import ModelRunner
 
@@ -73,26 +73,11 @@ def add_one_batch_args(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------------------- config
 
 
-def engine_config_for(model: ModelConfig, **settings: typing.Any) -> EngineConfig:
-    """``build_engine_config`` for a ``ModelConfig`` that has no config.json (a preset): flat
-    settings sorted into the sections ``EngineConfig`` declares."""
-    hints = typing.get_type_hints(EngineConfig)
-    sections = {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig) if f.name != "model"}
-    owner = {key: name for name, cls in sections.items() for key in cls.__dataclass_fields__}
-    by_section: dict[str, dict[str, typing.Any]] = {name: {} for name in sections}
-    for key, value in settings.items():
-        if key not in owner:
-            raise ValueError(f"unknown setting {key!r}; known settings: {', '.join(sorted(owner))}")
-        by_section[owner[key]][key] = value
-    return EngineConfig(model=model, **{name: cls(**by_section[name]) for name, cls in sections.items()})
-
-
 def engine_config_from_args(args: argparse.Namespace, max_running_requests: int,
                             max_total_tokens: int | None = None) -> EngineConfig:
     """The engine the flags describe; ``max_total_tokens`` sizes the KV cache unless the flag does."""
     settings = {
-        "device": args.device, "dtype": args.dtype, "seed": args.seed,
-        "page_size": args.page_size or default_page_size(args.device),
+        "device": args.device, "dtype": args.dtype, "seed": args.seed, "page_size": args.page_size,
         "max_total_tokens": args.max_total_tokens or max_total_tokens,
         "mem_fraction_static": args.mem_fraction_static, "quantization": args.quantization,
         "disable_cuda_graph": args.disable_cuda_graph, "cuda_graph_max_bs": args.cuda_graph_max_bs,

@@ -293,8 +293,7 @@ def _sweep_decode(shape: DecodeShape, device: str = "cuda") -> tuple[float, dict
     ref = decode_dense_torch(upcast, shape.batch, shape.context)
     del upcast
     row_bytes = inp["kv_cache"].shape[1] * inp["kv_cache"].element_size()
-    hopper = mla_hopper.decode_supported(inp["q_latent"], inp["kv_cache"], PAGE_SIZE, mla_hopper.BLOCK_H.value,
-                                         mla_hopper.BLOCK_N.value)
+    hopper = mla_hopper.decode_supported(inp["q_latent"], inp["kv_cache"], PAGE_SIZE)
     base = triton_mla.decode_config(shape.batch, shape.heads, row_bytes, inp["q_latent"].device, PAGE_SIZE, hopper)
 
     def run(cfg: dict) -> torch.Tensor:

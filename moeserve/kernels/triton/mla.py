@@ -381,16 +381,16 @@ def mla_decode(
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     batch, num_heads, latent_dim = q_latent.shape
     row_bytes = kv_cache.shape[1] * kv_cache.element_size()
-    hopper_tiles = mla_hopper.BLOCK_H.value, mla_hopper.BLOCK_N.value
-    hopper_kernel = (config or {}).get("HOPPER_WS", True) and \
-        mla_hopper.decode_supported(q_latent, kv_cache, page_size, *hopper_tiles)
+    wants_hopper = (config or {}).get("HOPPER_WS", True)
+    hopper_kernel = wants_hopper and mla_hopper.decode_supported(q_latent, kv_cache, page_size)
     cfg = _merge_config(decode_config(batch, num_heads, row_bytes, q_latent.device, page_size, hopper_kernel),
                         config, DECODE_CONFIG_KEYS)
     out = q_latent.new_empty(batch, num_heads, latent_dim)
     if batch == 0 or num_heads == 0:
         return out
     splits = cfg["num_kv_splits"]
-    if hopper_kernel and cfg["PAGED"] and (cfg["BLOCK_H"], cfg["BLOCK_N"]) == hopper_tiles:
+    hopper_tiles = (cfg["BLOCK_H"], cfg["BLOCK_N"]) == (mla_hopper.BLOCK_H.value, mla_hopper.BLOCK_N.value)
+    if hopper_kernel and cfg["PAGED"] and hopper_tiles:
         stage_1 = functools.partial(mla_hopper.decode_splits, q_latent, q_rope, kv_cache, kv_indptr, kv_indices,
                                     scale * LOG2E, splits)
     else:

@@ -257,11 +257,11 @@ def _mla_decode_wide_kernel(
     ], [4], [232])
 
 
-def decode_supported(q_latent: torch.Tensor, kv_cache: torch.Tensor, page_size: int | None, block_h: int,
-                     block_n: int) -> bool:
-    """Whether ``decode_splits`` can take these inputs with these tiles: a Hopper GPU, 16-bit
-    DeepSeek dims, 64-head blocks over 64-row page blocks, pages of a multiple of 64 slots, rows
-    the copy engine can address."""
+def decode_supported(q_latent: torch.Tensor, kv_cache: torch.Tensor, page_size: int | None,
+                     block_h: int = BLOCK_H.value, block_n: int = BLOCK_N.value) -> bool:
+    """Whether ``decode_splits`` can take these inputs with these tiles (default: its own): a
+    Hopper GPU, 16-bit DeepSeek dims, 64-head blocks over 64-row page blocks, pages of a multiple
+    of 64 slots, rows the copy engine can address."""
     if block_h != BLOCK_H.value or block_n != BLOCK_N.value:
         return False
     if page_size is None or page_size % block_n or kv_cache.device.type != "cuda":
