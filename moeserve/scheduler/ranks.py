@@ -7,6 +7,7 @@ the addresses follow from ``--dist-init-addr`` so that ranks on other nodes can 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import socket
 import time
@@ -25,8 +26,11 @@ class RankAddresses:
 
     @classmethod
     def derive(cls, par: ParallelConfig) -> RankAddresses:
-        """Ports ``p+1`` (outputs) and ``p+2+d`` (inputs) next to the rendezvous port ``p``."""
-        dist_init = par.dist_init_addr or f"127.0.0.1:{free_port()}"
+        """Ports ``p+1`` (outputs) and ``p+2+d`` (inputs) next to the rendezvous port ``p``.
+
+        Without ``--dist-init-addr``, ``p`` is the start of a run of ports that are all free now.
+        """
+        dist_init = par.dist_init_addr or f"127.0.0.1:{free_port_run(2 + par.attn_dp_size)}"
         host, port = dist_init.rsplit(":", 1)
         base = int(port)
         inputs = tuple(f"tcp://{host}:{base + 2 + d}" for d in range(par.attn_dp_size))
@@ -37,6 +41,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n: int, attempts: int = 64) -> int:
+    """A port ``p`` such that ``p .. p+n-1`` can all be bound now.
+
+    The kernel's free port says nothing about its neighbours, which other processes' outgoing
+    connections take from the same range; each candidate run is bound whole, then released.
+    """
+    for _ in range(attempts):
+        base = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:  # taken, or past 65535
+                continue
+            return base
+    raise RuntimeError(f"no run of {n} free ports found on 127.0.0.1 in {attempts} tries")
 
 
 class RankProcesses:
