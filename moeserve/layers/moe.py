@@ -12,7 +12,6 @@ from moeserve.distributed.dispatcher import Dispatcher, MaskedDispatchOutput, Re
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.eplb.placement import ExpertPlacement
 from moeserve.kernels import fp8
-from moeserve.kernels.activation import silu_and_mul
 from moeserve.kernels.grouped_gemm import grouped_gemm_contiguous, grouped_gemm_masked
 from moeserve.layers.gate import Gate
 from moeserve.layers.linear import Slot, frozen, frozen_fp8
@@ -55,18 +54,19 @@ class Experts(nn.Module):
         """Output in the input's layout: contiguous ``hidden [M, D] -> [M, D]`` (padding rows
         stay zero) or masked ``hidden [E, M_max, D] -> [E, M_max, D]`` (rows at or past
         ``masked_m[e]`` zero). ``E`` is this module's expert count (the local experts under EP)."""
-        h = self._gemm(recv, recv.hidden, self.w13, self.w13_scale_inv)  # [..., 2I]
-        return self._gemm(recv, silu_and_mul(h), self.w2, self.w2_scale_inv)
+        h = self._gemm(recv, recv.hidden, self.w13, self.w13_scale_inv, gated=True)  # silu(gate) * up [..., I]
+        return self._gemm(recv, h, self.w2, self.w2_scale_inv)
 
     def _gemm(self, recv: RecvTokens, x: torch.Tensor, w: torch.Tensor,
-              w_scale: torch.Tensor | None) -> torch.Tensor:
+              w_scale: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
         fp8_args = {}
         if w_scale is not None:  # FP8 weights: quantize the activations per 1x128 group
             x_fp8, x_scale = fp8.per_token_group_quant_fp8(x, fp8.FP8_BLOCK)
             x, fp8_args = x_fp8, {"x_scale": x_scale, "w_scale": w_scale, "out_dtype": x.dtype}
         if isinstance(recv, MaskedDispatchOutput):
-            return grouped_gemm_masked(x, w, recv.masked_m, **fp8_args)
-        return grouped_gemm_contiguous(x, w, recv.seg_indptr, **fp8_args, tail_rows=recv.tail_rows)
+            return grouped_gemm_masked(x, w, recv.masked_m, **fp8_args, fuse_silu_and_mul=gated)
+        return grouped_gemm_contiguous(x, w, recv.seg_indptr, **fp8_args, tail_rows=recv.tail_rows,
+                                       fuse_silu_and_mul=gated)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moeserve.kernels.activation import silu_and_mul_ref
 from moeserve.kernels.backend import kernel_backend
 from moeserve.kernels.fp8 import block_quant_fp8, fp8_block_gemm, fp8_block_gemm_ref, per_token_group_quant_fp8
 from moeserve.kernels.grouped_gemm import grouped_gemm_contiguous_ref, grouped_gemm_masked_ref
@@ -125,11 +126,49 @@ def _interpreter_cases() -> dict[str, tuple]:
         1e-5)
     cases["dense_fp8_default"] = (lambda: (tg.fp8_block_gemm(xd, xds, wd, wds, torch.float32), refd), 1e-5)
 
+    # SiLU-and-mul fused into the epilogue: w holds [gate | up] rows (2 x 22 here; fp8: 2 x 128)
+    glu_ref = silu_and_mul_ref(ref)
+    for tag, cfg in (("", small), ("_tma", dict(small, TMA=1)), ("_default", None)):
+        cases[f"glu_contiguous_fp16{tag}"] = (
+            lambda cfg=cfg: (tg.grouped_gemm_contiguous(x, w_packed, seg, fuse_silu_and_mul=True, config=cfg),
+                             glu_ref), 3e-3)
+    cases["glu_masked_fp16"] = (
+        lambda: (tg.grouped_gemm_masked(xm, wm, masked_m, fuse_silu_and_mul=True, config=small),
+                 silu_and_mul_ref(refm)), 3e-3)
+    wgq, wgs = _quant_experts(torch.randn(4, 256, 160) * 0.1)
+    glu_ref8 = silu_and_mul_ref(grouped_gemm_contiguous_ref(xq, wgq, seg8, xs, wgs, out_dtype=torch.float32))
+    for tag, cfg in (("", fp8_small), ("_bn256", dict(fp8_small, BLOCK_N=256)), ("_tma", dict(fp8_small, TMA=1))):
+        cases[f"glu_contiguous_fp8{tag}"] = (
+            lambda cfg=cfg: (tg.grouped_gemm_contiguous(xq, wgq, seg8, xs, wgs, torch.float32, fuse_silu_and_mul=True,
+                                                        config=cfg), glu_ref8), 1e-5)
+
+    # the public masked function: fused where the weights allow, else the kernel and then the pass
+    # (FP8 gate and up of 96 rows each split a 128-row scale block)
+    xmq96, xms96 = per_token_group_quant_fp8(torch.randn(3, 20, 160))
+    for rows in (256, 192):
+        wgm, wgms = _quant_experts(torch.randn(3, rows, 160) * 0.1)
+        ref_m = silu_and_mul_ref(grouped_gemm_masked_ref(xmq96, wgm, masked_m, xms96, wgms, out_dtype=torch.float32))
+        cases[f"glu_masked_fp8_public_n{rows}"] = (
+            lambda wgm=wgm, wgms=wgms, ref_m=ref_m: (
+                _public_on_cpu(xmq96, wgm, masked_m, xms96, wgms, torch.float32, fuse_silu_and_mul=True), ref_m), 1e-5)
+
     # no rows at all: every row is padding
     cases["contiguous_all_padding"] = (
         lambda: (tg.grouped_gemm_contiguous(x, w, torch.zeros(6, dtype=torch.int64), config=small),
                  torch.zeros(52, 44)), 0.0)
     return cases
+
+
+def _public_on_cpu(*args, **kwargs) -> torch.Tensor:
+    """``kernels.grouped_gemm.grouped_gemm_masked`` choosing as it would for CUDA inputs (the
+    interpreter runs the kernel on CPU tensors)."""
+    from moeserve.kernels import grouped_gemm as public
+
+    saved, public.use_triton = public.use_triton, lambda t: True
+    try:
+        return public.grouped_gemm_masked(*args, **kwargs)
+    finally:
+        public.use_triton = saved
 
 
 def _poison_empty() -> None:
@@ -167,6 +206,9 @@ _INTERPRETER_CASES = [
     ("dense_fp8_split1", 1e-5), ("dense_fp8_split3", 1e-5), ("dense_fp8_default", 1e-5),
     ("contiguous_all_padding", 0.0), ("contiguous_fp16_tma", 2e-3), ("contiguous_fp16_tma_ws", 2e-3),
     ("contiguous_fp8_tma", 1e-5), ("masked_fp16_tma", 2e-3), ("dense_fp8_split3_tma", 1e-5),
+    ("glu_contiguous_fp16", 3e-3), ("glu_contiguous_fp16_tma", 3e-3), ("glu_contiguous_fp16_default", 3e-3),
+    ("glu_masked_fp16", 3e-3), ("glu_contiguous_fp8", 1e-5), ("glu_contiguous_fp8_bn256", 1e-5),
+    ("glu_contiguous_fp8_tma", 1e-5), ("glu_masked_fp8_public_n256", 1e-5), ("glu_masked_fp8_public_n192", 1e-5),
 ]
 
 
@@ -316,6 +358,69 @@ def test_gpu_fp8_block_gemm(m: int, split: int | None) -> None:
     out = fp8_block_gemm(xq, xs, wq, ws) if cfg is None else tg.fp8_block_gemm(xq, xs, wq, ws, config=cfg)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert _rel(out, fp8_block_gemm_ref(xq, xs, wq, ws, torch.float32)) < 1e-2
+
+
+GPU_FUSED = [
+    # (experts, mean rows or M_max, fp8, masked): both regimes' default configs, both layouts
+    (8, 300, False, False), (16, 3, False, False), (8, 300, True, False), (16, 3, True, False),
+    (6, 200, False, True), (6, 64, True, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_e, rows, fp8, masked", GPU_FUSED)
+def test_gpu_fused_silu_and_mul(num_e: int, rows: int, fp8: bool, masked: bool) -> None:
+    """SiLU-and-mul in the kernel's epilogue against the unfused reference: w13-like weights (gate
+    and up halves of 2 x 384 rows, whole FP8 scale blocks each), K with a partial block."""
+    from moeserve.kernels.triton.gemm import grouped_gemm_contiguous, grouped_gemm_masked
+
+    n, k = 2 * 384, 1024 + 64
+    if masked:
+        x, w, xs, ws = _gpu_masked_inputs(num_e, rows, n, k, fp8)
+        masked_m = torch.randint(0, rows + 1, (num_e,), generator=torch.Generator().manual_seed(rows))
+        masked_m[0], masked_m[1] = 0, rows
+        masked_m = masked_m.to(device="cuda", dtype=torch.int32)
+        ref = grouped_gemm_masked_ref(x, w, masked_m, xs, ws, out_dtype=torch.float32)
+        _poison_allocator(num_e * rows * n * 2)
+        out = grouped_gemm_masked(x, w, masked_m, xs, ws, fuse_silu_and_mul=True)
+        zero_rows = [out[e, int(masked_m[e]):] for e in range(num_e)]
+    else:
+        x, w, seg, xs, ws = _gpu_contiguous_inputs(num_e, rows, n, k, fp8, torch.bfloat16, seed=num_e + rows)
+        ref = grouped_gemm_contiguous_ref(x, w, seg, xs, ws, out_dtype=torch.float32)
+        _poison_allocator(x.shape[0] * n * 2)
+        out = grouped_gemm_contiguous(x, w, seg, xs, ws, fuse_silu_and_mul=True)
+        zero_rows = [out[int(seg[-1]):]]
+    assert out.shape[-1] == n // 2 and out.dtype == torch.bfloat16
+    assert _rel(out, silu_and_mul_ref(ref)) < 1e-2
+    assert all((z == 0).all() for z in zero_rows)
+
+
+@pytest.mark.gpu
+def test_gpu_masked_silu_and_mul_falls_back_where_the_kernel_cannot_fuse() -> None:
+    """FP8 gate and up halves that split a 128-row scale block (96 + 96 rows, as in the tiny test
+    models) take the unfused pass through the public function, with the same result."""
+    from moeserve.kernels.grouped_gemm import grouped_gemm_masked
+
+    x, w, xs, ws = _gpu_masked_inputs(4, 16, 192, 256, fp8=True)
+    masked_m = torch.tensor([0, 16, 5, 9], device="cuda", dtype=torch.int32)
+    out = grouped_gemm_masked(x, w, masked_m, xs, ws, fuse_silu_and_mul=True)
+    ref = grouped_gemm_masked_ref(x, w, masked_m, xs, ws, out_dtype=torch.float32)
+    assert out.shape == (4, 16, 96)
+    assert _rel(out, silu_and_mul_ref(ref)) < 1e-2
+
+
+def test_which_weights_the_fused_activation_takes() -> None:
+    pytest.importorskip("triton")
+    from moeserve.kernels.fp8 import FP8_DTYPE
+    from moeserve.kernels.triton import gemm as tg
+
+    assert tg.can_fuse_silu_and_mul(torch.empty(2, 192, 8, dtype=torch.float16))
+    assert not tg.can_fuse_silu_and_mul(torch.empty(2, 193, 8, dtype=torch.float16))
+    assert tg.can_fuse_silu_and_mul(torch.empty(2, 256, 8, dtype=FP8_DTYPE))
+    assert not tg.can_fuse_silu_and_mul(torch.empty(2, 192, 8, dtype=FP8_DTYPE))  # 96-row halves
+    x, w = torch.empty(4, 8, dtype=torch.float16), torch.empty(2, 193, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="fuse_silu_and_mul needs w's N"):
+        tg.grouped_gemm_contiguous(x, w, torch.tensor([0, 2, 4]), fuse_silu_and_mul=True)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,10 @@ host and every call can be captured in a CUDA graph:
 - zero tiles: ``ZERO_M`` rows x all columns of the rows the layout says are zero (contiguous
   padding, masked rows at or past ``masked_m[e]``), so the output needs no separate memset.
 
+With ``GLU`` the weights are a gated pair ``[gate | up]`` (``w [E, 2N, K]``) and each tile of the N
+output columns holds ``silu(x @ gate.T) * (x @ up.T)``: the K loop feeds two accumulators from one A
+tile, and the gate-up product never goes to memory (SiLU-and-mul fused into the epilogue).
+
 The grid is a static upper bound on that list (each program then takes one item, and programs past
 the end return at once) or, with ``ctas_per_sm``, a persistent grid striding over it.
 
@@ -137,21 +141,28 @@ def _accumulate(acc, a, b, as_ptrs, bs_ptrs, kk, stride_xsk, stride_wsk,
 
 
 @triton.jit
-def _mma_loop(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, K, stride_xsk, stride_wsk,
+def _mma_loop(a_ptrs, b_ptrs, up_offset, as_ptrs, bs_ptrs, bs_up_ptrs, k_lo, k_hi, K, stride_xsk, stride_wsk,
               FP8: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``sum_k A[:, k] @ B[k, :]`` over K-steps ``k_lo:k_hi`` -> ``[BLOCK_M, BLOCK_N]`` fp32.
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr):
+    """``sum_k A[:, k] @ B[k, :]`` over K-steps ``k_lo:k_hi`` -> two ``[BLOCK_M, BLOCK_N]`` fp32
+    accumulators: the gate's (or the only one) and, with ``GLU``, the up half's, whose weights
+    lie ``up_offset`` elements past the gate's (``bs_up_ptrs``: their FP8 scales).
 
     ``a_ptrs [BLOCK_M, BLOCK_K]`` / ``b_ptrs [BLOCK_K, BLOCK_N]`` point at step ``k_lo`` and only
     at valid rows and columns (the caller clamps them), so the full steps load without masks,
     which would cost a predicate per copy; only a partial last step masks K.
     """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_full = tl.minimum(k_hi, K // BLOCK_K)
     for kk in range(k_lo, k_full):
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
         acc = _accumulate(acc, a, b, as_ptrs, bs_ptrs, kk, stride_xsk, stride_wsk, FP8, IEEE, BLOCK_N, BLOCK_K)
+        if GLU:
+            b_up = tl.load(b_ptrs + up_offset)
+            acc_up = _accumulate(acc_up, a, b_up, as_ptrs, bs_up_ptrs, kk, stride_xsk, stride_wsk, FP8, IEEE,
+                                 BLOCK_N, BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if not EVEN_K:
@@ -161,24 +172,54 @@ def _mma_loop(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, K, stride_xsk, strid
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
             acc = _accumulate(acc, a, b, as_ptrs, bs_ptrs, kk, stride_xsk, stride_wsk, FP8, IEEE, BLOCK_N, BLOCK_K)
-    return acc
+            if GLU:
+                b_up = tl.load(b_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
+                acc_up = _accumulate(acc_up, a, b_up, as_ptrs, bs_up_ptrs, kk, stride_xsk, stride_wsk, FP8, IEEE,
+                                     BLOCK_N, BLOCK_K)
+    return acc, acc_up
 
 
 @triton.jit
-def _mma_loop_tma(a_desc, b_desc, a_row, b_row, as_ptrs, bs_ptrs, k_lo, k_hi, stride_xsk, stride_wsk,
-                  FP8: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, WS: tl.constexpr):
+def _mma_loop_tma(a_desc, b_desc, a_row, b_row, up_row, as_ptrs, bs_ptrs, bs_up_ptrs, k_lo, k_hi, stride_xsk,
+                  stride_wsk, FP8: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, WS: tl.constexpr, GLU: tl.constexpr):
     """``_mma_loop`` with tiles copied by the tensor-memory accelerator: ``a_desc`` over x as
-    ``[rows, K]``, ``b_desc`` over w as ``[E * N, K]``; the tile at row ``a_row`` / ``b_row`` of
-    step ``kk``. The copy engine fills what lies past the tensors' ends (K's tail included) with
-    zeros, so no step needs a mask; rows that run into the next expert's are dropped by the store.
-    ``WS`` asks Triton to warp-specialise the loop (loads and MMAs in different warps)."""
+    ``[rows, K]``, ``b_desc`` over w as ``[E * N_w, K]``; the tile at row ``a_row`` / ``b_row``
+    (``up_row``: the up half's) of step ``kk``. The copy engine fills what lies past the tensors'
+    ends (K's tail included) with zeros, so no step needs a mask; rows that run into the next
+    expert's are dropped by the store. ``WS`` asks Triton to warp-specialise the loop (loads and
+    MMAs in different warps)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in tl.range(k_lo, k_hi, warp_specialize=WS):
         a = a_desc.load([a_row, kk * BLOCK_K])
         b = b_desc.load([b_row, kk * BLOCK_K])
         acc = _accumulate(acc, a, b.T, as_ptrs, bs_ptrs, kk, stride_xsk, stride_wsk, FP8, IEEE, BLOCK_N, BLOCK_K)
-    return acc
+        if GLU:
+            b_up = b_desc.load([up_row, kk * BLOCK_K])
+            acc_up = _accumulate(acc_up, a, b_up.T, as_ptrs, bs_up_ptrs, kk, stride_xsk, stride_wsk, FP8, IEEE,
+                                 BLOCK_N, BLOCK_K)
+    return acc, acc_up
+
+
+@triton.jit
+def _scale_ptrs(ws_ptr, e64, stride_wse, stride_wsn, col0, n_in, BLOCK_N: tl.constexpr):
+    """FP8 weight scales of the tile whose columns start at weight row ``col0``: one scalar when
+    the tile lies inside one 128-row scale block, else one per column."""
+    if BLOCK_N <= _SCALE:
+        ptrs = ws_ptr + e64 * stride_wse + (col0 // _SCALE) * stride_wsn
+    else:
+        ptrs = ws_ptr + e64 * stride_wse + ((col0 + n_in) // _SCALE) * stride_wsn
+    return ptrs
+
+
+@triton.jit
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` rounded as ``silu_and_mul`` rounds the unfused GEMM's output: both
+    operands, then the activation, to ``dtype`` (identity for fp32)."""
+    gate = gate.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return act * up.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -188,9 +229,10 @@ def _live_tile(t, offs_e, work_end, work, lo, cnt, num_n,
                stride_xse, stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk,
                FP8: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-               TMA: tl.constexpr, WS: tl.constexpr):
+               TMA: tl.constexpr, WS: tl.constexpr, GLU: tl.constexpr):
     """Compute and store output tile ``t`` of the live work list (``batch_rows``: rows per batch
-    of x seen as one 2-D tensor, for the TMA path)."""
+    of x seen as one 2-D tensor, for the TMA path; ``N``: output columns, half of w's rows
+    with ``GLU``)."""
     e = tl.sum((work_end <= t).to(tl.int32), 0)  # the expert whose items hold t
     local = t - _pick(offs_e, e, work_end - work)
     rows = _pick(offs_e, e, cnt)
@@ -218,18 +260,19 @@ def _live_tile(t, offs_e, work_end, work, lo, cnt, num_n,
     a_ptrs = a_base + m_in[:, None] * stride_xm + offs_k[None, :]
     b_ptrs = b_base + offs_k[:, None] + n_in[None, :] * stride_wn
     as_ptrs = xs_ptr + e64 * stride_xse + row0.to(tl.int64) * stride_xsm + m_in * stride_xsm
-    if BLOCK_N <= _SCALE:  # the tile lies inside one 128-column scale block
-        bs_ptrs = ws_ptr + e64 * stride_wse + (n0 // _SCALE) * stride_wsn
-    else:
-        bs_ptrs = ws_ptr + e64 * stride_wse + ((n0 + n_in) // _SCALE) * stride_wsn
+    bs_ptrs = _scale_ptrs(ws_ptr, e64, stride_wse, stride_wsn, n0, n_in, BLOCK_N)
+    bs_up_ptrs = _scale_ptrs(ws_ptr, e64, stride_wse, stride_wsn, N + n0, n_in, BLOCK_N)  # used with GLU
     if TMA:
+        w_rows = 2 * N if GLU else N  # rows of one expert's weight
         a_row = (e64 * batch_rows + row0).to(tl.int32)
-        b_row = (e64 * N + n0).to(tl.int32)
-        acc = _mma_loop_tma(a_desc, b_desc, a_row, b_row, as_ptrs, bs_ptrs, k_lo, k_hi, stride_xsk, stride_wsk,
-                            FP8, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, WS)
+        b_row = (e64 * w_rows + n0).to(tl.int32)
+        acc, acc_up = _mma_loop_tma(a_desc, b_desc, a_row, b_row, b_row + N, as_ptrs, bs_ptrs, bs_up_ptrs, k_lo,
+                                    k_hi, stride_xsk, stride_wsk, FP8, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, WS, GLU)
     else:
-        acc = _mma_loop(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, k_lo, k_hi, K, stride_xsk, stride_wsk,
-                        FP8, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc, acc_up = _mma_loop(a_ptrs, b_ptrs, N * stride_wn, as_ptrs, bs_ptrs, bs_up_ptrs, k_lo, k_hi, K,
+                                stride_xsk, stride_wsk, FP8, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GLU)
+    if GLU:
+        acc = _silu_mul(acc, acc_up, out_ptr.dtype.element_ty)
 
     mask = (offs_m < rows - m_blk * BLOCK_M)[:, None] & (offs_n < N - n0)[None, :]
     c_base = out_ptr + split.to(tl.int64) * stride_os + e64 * stride_oe + row0.to(tl.int64) * stride_om
@@ -262,12 +305,14 @@ def _grouped_gemm_kernel(
     LAYOUT: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     E_POW2: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ZERO_M: tl.constexpr, ZERO_N: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, GLU: tl.constexpr,
 ):
-    """``out[rows of e] = x[rows of e] @ w[e].T`` for every expert ``e``, zeros elsewhere.
+    """``out[rows of e] = x[rows of e] @ w[e].T`` for every expert ``e``, zeros elsewhere; with
+    ``GLU``, ``silu(x @ w[e, :N].T) * (x @ w[e, N:].T)``.
 
-    ``x [B, M, K]`` (batch stride ``stride_xe``), ``w [E, N, K]``, ``out [SPLIT_K, B, M, N]``; the
-    last dims are contiguous. ``seg_ptr``: seg_indptr [E + 1] (contiguous) or masked_m [E] (masked).
+    ``x [B, M, K]`` (batch stride ``stride_xe``), ``w [E, N, K]`` (``[E, 2N, K]`` with ``GLU``),
+    ``out [SPLIT_K, B, M, N]``; the last dims are contiguous. ``seg_ptr``: seg_indptr [E + 1]
+    (contiguous) or masked_m [E] (masked).
     """
     offs_e = tl.arange(0, E_POW2)
     lo, cnt, zlo, zcnt = _segments(seg_ptr, M, E, LAYOUT, E_POW2)
@@ -287,7 +332,7 @@ def _grouped_gemm_kernel(
                    x_ptr, w_ptr, out_ptr, xs_ptr, ws_ptr, a_desc, b_desc, batch_rows, N, K,
                    stride_xe, stride_xm, stride_we, stride_wn, stride_oe, stride_om, stride_os,
                    stride_xse, stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk,
-                   FP8, IEEE, EVEN_K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, WS)
+                   FP8, IEEE, EVEN_K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, WS, GLU)
     first_zero = live + (pid + nprog - live % nprog) % nprog  # the first item >= live that is ours
     for t in range(first_zero, total, nprog):
         _zero_tile(t - live, offs_e, zwork_end, ztiles, zlo, zcnt, out_ptr, N, stride_oe, stride_om,
@@ -410,10 +455,13 @@ def _out_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
 
 
 def _launch(layout: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, x_scale: torch.Tensor | None,
-            w_scale: torch.Tensor | None, index: torch.Tensor, rows: int, cfg: dict, bound: int) -> None:
-    """Launch over ``x [B, rows, K]``, ``w [E, N, K]``, ``out [S, B, rows, N]`` (``x_scale [B, rows, Kb]``,
-    ``w_scale [E, Nb, Kb]``); ``bound`` is an upper bound on the work items."""
+            w_scale: torch.Tensor | None, index: torch.Tensor, rows: int, cfg: dict, bound: int,
+            glu: bool = False) -> None:
+    """Launch over ``x [B, rows, K]``, ``w [E, N, K]`` (``[E, 2N, K]`` with ``glu``), ``out [S, B,
+    rows, N]`` (``x_scale [B, rows, Kb]``, ``w_scale [E, Nb, Kb]``); ``bound`` is an upper bound on
+    the work items."""
     num_e, n, k = w.shape
+    n = n // 2 if glu else n
     fp8 = x_scale is not None
     batched = layout == _MASKED  # else the one batch is reached with stride 0
     if fp8:
@@ -437,7 +485,7 @@ def _launch(layout: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, x_
         LAYOUT=layout, FP8=fp8, IEEE=x.dtype == torch.float32, EVEN_K=k % cfg["BLOCK_K"] == 0,
         E_POW2=max(16, triton.next_power_of_2(num_e)), SPLIT_K=cfg["SPLIT_K"],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        ZERO_M=ZERO_M, ZERO_N=ZERO_N, TMA=descs is not None, WS=bool(cfg["WS"]) and descs is not None,
+        ZERO_M=ZERO_M, ZERO_N=ZERO_N, TMA=descs is not None, WS=bool(cfg["WS"]) and descs is not None, GLU=glu,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -463,47 +511,76 @@ def _tma_descriptors(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> tuple | Non
 
 def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor,
                             x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                            out_dtype: torch.dtype | None = None, *, config: dict | None = None) -> torch.Tensor:
-    """``x [M, K]``, ``w [E, N, K]``, ``seg_indptr [E + 1]`` -> ``[M, N]``; see
-    ``kernels.grouped_gemm.grouped_gemm_contiguous`` for the contract. ``config`` overrides the
-    launch config (tuning only)."""
+                            out_dtype: torch.dtype | None = None, *, fuse_silu_and_mul: bool = False,
+                            config: dict | None = None) -> torch.Tensor:
+    """``x [M, K]``, ``w [E, N, K]``, ``seg_indptr [E + 1]`` -> ``[M, N]`` (``[M, N / 2]`` with
+    ``fuse_silu_and_mul``); see ``kernels.grouped_gemm.grouped_gemm_contiguous`` for the contract.
+    ``config`` overrides the launch config (tuning only; with the fused activation its BLOCK_N
+    is per half)."""
     fp8 = _check_operands(x, w, x_scale, w_scale, x_dims=2, w_dims=3)
     num_e, n, k = w.shape
+    n_out = _glu_columns(w) if fuse_silu_and_mul else n
     _check_index(seg_indptr, "seg_indptr", num_e + 1, x.device)
     m = x.shape[0]
-    out = torch.empty(m, n, dtype=_out_dtype(x, out_dtype), device=x.device)
+    out = torch.empty(m, n_out, dtype=_out_dtype(x, out_dtype), device=x.device)
     if out.numel() == 0:
         return out
-    if k == 0 or num_e == 0:
+    if k == 0 or num_e == 0:  # silu(0) * 0 = 0 as well
         return out.zero_()
-    cfg = _resolve(contiguous_config(m, num_e, n, k, x.dtype), config, fp8, _CONTIGUOUS)
+    cfg = _resolve(_halve_n(contiguous_config(m, num_e, n, k, x.dtype), fuse_silu_and_mul), config, fp8, _CONTIGUOUS)
     # sum over E live and 2 zero segments of cdiv(rows, BLOCK_M) <= cdiv(M, BLOCK_M) + E + 1
-    bound = (triton.cdiv(m, cfg["BLOCK_M"]) + num_e + 1) * triton.cdiv(n, cfg["BLOCK_N"])
+    bound = (triton.cdiv(m, cfg["BLOCK_M"]) + num_e + 1) * triton.cdiv(n_out, cfg["BLOCK_N"])
     bound += triton.cdiv(m, ZERO_M) + 2
     _launch(_CONTIGUOUS, x[None], w, out[None, None], x_scale[None] if fp8 else None, w_scale,
-            seg_indptr, m, cfg, bound)
+            seg_indptr, m, cfg, bound, fuse_silu_and_mul)
     return out
+
+
+def can_fuse_silu_and_mul(w: torch.Tensor) -> bool:
+    """Whether ``fuse_silu_and_mul`` takes these ``[gate | up]`` weights ``w [E, N, K]``: N even
+    and, for FP8, gate and up each in whole 128-row scale blocks."""
+    n = w.shape[-2]
+    return n % 2 == 0 and (w.dtype != FP8_DTYPE or (n // 2) % SCALE_BLOCK == 0)
+
+
+def _glu_columns(w: torch.Tensor) -> int:
+    """Output columns of a fused SiLU-and-mul over ``[gate | up]`` weights ``w [E, N, K]``."""
+    n = w.shape[-2]
+    if not can_fuse_silu_and_mul(w):
+        need = f"a multiple of {2 * SCALE_BLOCK} (fp8: gate and up in whole scale blocks)" if n % 2 == 0 else "even"
+        raise ValueError(f"fuse_silu_and_mul needs w's N (gate + up rows) {need}, got {n}")
+    return n // 2
+
+
+def _halve_n(cfg: dict, glu: bool) -> dict:
+    """With the fused activation each tile holds a gate and an up half: ``BLOCK_N`` per half is
+    half the plain config's, so a tile does the same MMA work with the same registers."""
+    return dict(cfg, BLOCK_N=max(16, cfg["BLOCK_N"] // 2)) if glu else cfg
 
 
 def grouped_gemm_masked(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor,
                         x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None, *, config: dict | None = None) -> torch.Tensor:
-    """``x [E, M_max, K]``, ``w [E, N, K]``, ``masked_m [E]`` -> ``[E, M_max, N]``; see
-    ``kernels.grouped_gemm.grouped_gemm_masked`` for the contract."""
+                        out_dtype: torch.dtype | None = None, *, fuse_silu_and_mul: bool = False,
+                        config: dict | None = None) -> torch.Tensor:
+    """``x [E, M_max, K]``, ``w [E, N, K]``, ``masked_m [E]`` -> ``[E, M_max, N]`` (``N / 2``
+    columns with ``fuse_silu_and_mul``); see ``kernels.grouped_gemm.grouped_gemm_masked`` for the
+    contract."""
     fp8 = _check_operands(x, w, x_scale, w_scale, x_dims=3, w_dims=3)
     num_e, n, k = w.shape
+    n_out = _glu_columns(w) if fuse_silu_and_mul else n
     if x.shape[0] != num_e:
         raise ValueError(f"x has {x.shape[0]} experts but w has {num_e}")
     _check_index(masked_m, "masked_m", num_e, x.device)
     m_max = x.shape[1]
-    out = torch.empty(num_e, m_max, n, dtype=_out_dtype(x, out_dtype), device=x.device)
+    out = torch.empty(num_e, m_max, n_out, dtype=_out_dtype(x, out_dtype), device=x.device)
     if out.numel() == 0:
         return out
     if k == 0:
         return out.zero_()
-    cfg = _resolve(masked_config(m_max, num_e, n, k, x.dtype), config, fp8, _MASKED)
-    bound = num_e * (triton.cdiv(m_max, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]) + triton.cdiv(m_max, ZERO_M))
-    _launch(_MASKED, x, w, out[None], x_scale, w_scale, masked_m, m_max, cfg, bound)
+    cfg = _resolve(_halve_n(masked_config(m_max, num_e, n, k, x.dtype), fuse_silu_and_mul), config, fp8, _MASKED)
+    bound = num_e * (triton.cdiv(m_max, cfg["BLOCK_M"]) * triton.cdiv(n_out, cfg["BLOCK_N"])
+                     + triton.cdiv(m_max, ZERO_M))
+    _launch(_MASKED, x, w, out[None], x_scale, w_scale, masked_m, m_max, cfg, bound, fuse_silu_and_mul)
     return out
 
 
