@@ -19,18 +19,21 @@ from collections.abc import Callable
 
 import torch
 
+from moeserve.bench.kernel_cases.gemm import (
+    EP_LOCAL,
+    EP_RANKS,
+    HIDDEN,
+    LL_TOKENS,
+    N_EXPERTS,
+    TOP_K,
+    W13,
+    random_weights,
+    routed_counts,
+)
 from moeserve.bench.kernels import time_ms
 from moeserve.kernels.activation import silu_and_mul
-from moeserve.kernels.fp8 import block_quant_fp8, per_token_group_quant_fp8
+from moeserve.kernels.fp8 import per_token_group_quant_fp8
 from moeserve.kernels.triton.gemm import grouped_gemm_contiguous, grouped_gemm_masked
-
-HIDDEN, INTER, EXPERTS, TOP_K, LL_EXPERTS = 7168, 2048, 256, 8, 32
-
-
-def _seg_indptr(tokens: int) -> torch.Tensor:
-    ids = torch.rand(tokens, EXPERTS, device="cuda").topk(TOP_K, dim=1).indices.flatten()
-    counts = torch.zeros(EXPERTS, dtype=torch.int64, device="cuda").scatter_add_(0, ids, torch.ones_like(ids))
-    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
 def _ab(name: str, gemm: Callable[..., torch.Tensor], results: dict) -> None:
@@ -44,29 +47,23 @@ def _ab(name: str, gemm: Callable[..., torch.Tensor], results: dict) -> None:
           flush=True)
 
 
-def _weights(fp8: bool, experts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    w = torch.randn(experts, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) / HIDDEN**0.5
-    if not fp8:
-        return w, None
-    blocks = [block_quant_fp8(w[e].float()) for e in range(experts)]
-    return torch.stack([q for q, _ in blocks]), torch.stack([s for _, s in blocks])
-
-
 def gemm_cases(results: dict, fp8: bool) -> None:
     dt = "fp8" if fp8 else "bf16"
-    w, ws = _weights(fp8, EXPERTS)
+    w, ws = random_weights(N_EXPERTS, *W13, fp8)
     for tokens in (8192, 128, 32):
         x = torch.randn(tokens * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16)
         xq, xs = per_token_group_quant_fp8(x) if fp8 else (x, None)
-        seg = _seg_indptr(tokens)
+        counts = routed_counts(tokens)
+        seg = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         _ab(f"{dt} w13 contiguous, {tokens} tokens",
             lambda xq=xq, xs=xs, seg=seg, **kw: grouped_gemm_contiguous(xq, w, seg, xs, ws, **kw), results)
-    w_ll, ws_ll = w[:LL_EXPERTS], None if ws is None else ws[:LL_EXPERTS]
-    for m_max, mean in ((1024, 32), (1024, 128)):
-        x = torch.randn(LL_EXPERTS, m_max, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w_ll, ws_ll = w[:EP_LOCAL], None if ws is None else ws[:EP_LOCAL]
+    m_max = LL_TOKENS * EP_RANKS  # rows one expert may receive in low-latency dispatch
+    for mean in (32, 128):
+        x = torch.randn(EP_LOCAL, m_max, HIDDEN, device="cuda", dtype=torch.bfloat16)
         xq, xs = per_token_group_quant_fp8(x) if fp8 else (x, None)
-        masked_m = torch.randint(0, 2 * mean + 1, (LL_EXPERTS,), device="cuda", dtype=torch.int32)
-        _ab(f"{dt} w13 masked, {LL_EXPERTS} x {m_max} rows (mean {mean} live)",
+        masked_m = torch.randint(0, 2 * mean + 1, (EP_LOCAL,), device="cuda", dtype=torch.int32)
+        _ab(f"{dt} w13 masked, {EP_LOCAL} x {m_max} rows (mean {mean} live)",
             lambda xq=xq, xs=xs, m=masked_m, **kw: grouped_gemm_masked(xq, w_ll, m, xs, ws_ll, **kw), results)
 
 

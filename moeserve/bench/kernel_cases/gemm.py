@@ -181,11 +181,11 @@ class _WeightCache:
     def get(self, experts: int, n: int, k: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = (experts, n, k, fp8)
         if key not in self._made:
-            self._made[key] = _random_weights(experts, n, k, fp8)
+            self._made[key] = random_weights(experts, n, k, fp8)
         return self._made[key]
 
 
-def _random_weights(experts: int, n: int, k: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def random_weights(experts: int, n: int, k: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``w [E, N, K]`` bf16 (scale ~ 1/sqrt(K)), or fp8 values with random block scales."""
     if not fp8:
         return torch.randn(experts, n, k, device=DEVICE, dtype=torch.bfloat16) / math.sqrt(k), None
@@ -210,7 +210,7 @@ def _cdiv(a: int, b: int) -> int:
 PREFILL_TOKENS = 8192
 
 
-def _routed_counts(tokens: int) -> torch.Tensor:
+def routed_counts(tokens: int) -> torch.Tensor:
     """Rows per expert [N_EXPERTS] when ``tokens`` tokens each pick TOP_K distinct experts uniformly."""
     picks = torch.rand(tokens, N_EXPERTS, device=DEVICE).topk(TOP_K, dim=1).indices
     return torch.bincount(picks.flatten(), minlength=N_EXPERTS)
@@ -237,14 +237,14 @@ def _builders() -> list[tuple[str, Callable[[_WeightCache], Shape]]]:
         for proj, (n, k) in (("w13", W13), ("w2", W2)):
             name = f"grouped contiguous {dt} prefill {proj} M{PREFILL_TOKENS * TOP_K} E{N_EXPERTS}"
             out.append((name, lambda c, name=name, fp8=fp8, n=n, k=k: _contiguous_shape(
-                name, c, _routed_counts(PREFILL_TOKENS).cpu(), n, k, fp8, FP8_LARGE if fp8 else BF16_LARGE)))
+                name, c, routed_counts(PREFILL_TOKENS).cpu(), n, k, fp8, FP8_LARGE if fp8 else BF16_LARGE)))
     for fp8 in (True, False):
         dt = "fp8" if fp8 else "bf16"
         for proj, (n, k) in (("w13", W13), ("w2", W2)):
             for tokens in DECODE_TOKENS:
                 name = f"grouped contiguous {dt} decode {proj} M{tokens * TOP_K} E{N_EXPERTS}"
                 out.append((name, lambda c, name=name, fp8=fp8, n=n, k=k, tokens=tokens: _contiguous_shape(
-                    name, c, _routed_counts(tokens).cpu(), n, k, fp8, FP8_DECODE if fp8 else BF16_DECODE)))
+                    name, c, routed_counts(tokens).cpu(), n, k, fp8, FP8_DECODE if fp8 else BF16_DECODE)))
     for fp8 in (True, False):
         dt = "fp8" if fp8 else "bf16"
         for proj, (n, k) in (("w13", W13), ("w2", W2)):
@@ -295,7 +295,7 @@ def _contiguous_call(x, w, seg, x_scale, w_scale, cfg):
 
 def _masked_shape(name: str, cache: _WeightCache, n: int, k: int, fp8: bool, candidates: list[dict]) -> Shape:
     m_max = LL_TOKENS * EP_RANKS
-    masked_m = _routed_counts(m_max)[:EP_LOCAL].to(torch.int32)  # this rank's share of 1024 tokens' picks
+    masked_m = routed_counts(m_max)[:EP_LOCAL].to(torch.int32)  # this rank's share of 1024 tokens' picks
     w_all, ws_all = cache.get(N_EXPERTS, n, k, fp8)
     w, w_scale = w_all[:EP_LOCAL], (ws_all[:EP_LOCAL] if fp8 else None)
     x = torch.randn(EP_LOCAL, m_max, k, device=DEVICE, dtype=torch.bfloat16)
@@ -326,7 +326,7 @@ def _masked_call(x, w, masked_m, x_scale, w_scale, cfg):
 
 
 def _dense_shape(name: str, m: int, n: int, k: int, candidates: list[dict]) -> Shape:
-    w, w_scale = _random_weights(1, n, k, fp8=True)
+    w, w_scale = random_weights(1, n, k, fp8=True)
     w, w_scale = w[0], w_scale[0]
     x, x_scale = _quant_rows(torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16))
     baseline = _scaled_mm_baseline(x, torch.ones(m, 1, device=DEVICE), w, torch.ones(1, n, device=DEVICE))

@@ -48,6 +48,14 @@ _RESCALE_LOG2 = tl.constexpr(8.0)  # lazy rescale: tolerated growth of the runni
 
 
 @triton.jit
+def _decode_program(num_heads, BLOCK_H: tl.constexpr):
+    """This decode program's sequence, split, heads ``[BLOCK_H]`` and which of them exist. The
+    head block is grid axis 0, the fastest, so the head blocks of one split read the same rows."""
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return tl.program_id(1).to(tl.int64), tl.program_id(2), heads, heads < num_heads
+
+
+@triton.jit
 def _split_bounds(kv_indptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
     """``(kv_start, lo, hi)``: where the sequence's slots start in ``kv_indices`` and the token
     range ``[lo, hi)`` of this split, whole ``BLOCK_N`` blocks (``hi <= lo`` for an empty split)."""
@@ -113,11 +121,7 @@ def _mla_decode_split_kernel(
     ``out`` is ``[B, H, splits, L]`` fp32 with ``lse [B, H, splits]`` (log2 domain), or, with
     ``SINGLE_SPLIT``, the final ``[B, H, L]`` output (``lse`` unused).
     """
-    head_block = tl.program_id(0)  # fastest: the head blocks of one split read the same rows
-    seq = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = heads < num_heads
+    seq, split, heads, head_ok = _decode_program(num_heads, BLOCK_H)
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     l_ok = offs_l < LATENT  # all true unless the latent dim is padded
@@ -190,11 +194,7 @@ def _mla_decode_paged_kernel(
     slots: a block of tokens is ``BLOCK_N`` consecutive rows, loaded whole by the copy engine
     (TMA) instead of row by row. The latent (``2 * HALF`` wide) is handled as two halves, since
     a copy-engine box is at most 256 elements wide."""
-    head_block = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = heads < num_heads
+    seq, split, heads, head_ok = _decode_program(num_heads, BLOCK_H)
     offs_h = tl.arange(0, HALF)
     offs_r = tl.arange(0, ROPE)
     q_row = q_latent + seq * stride_qlb + heads[:, None] * stride_qlh
