@@ -255,6 +255,7 @@ class ParallelConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    dist_secret_file: str | None = None  # a secret shared by every node: keys of the request channel
     load_balance_method: str = "round_robin"
 
     def __post_init__(self) -> None:
@@ -275,6 +276,8 @@ class ParallelConfig:
         _require(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, {self.nnodes})")
         _require(self.nnodes == 1 or self.dist_init_addr is not None, "dist_init_addr",
                  "is required with nnodes > 1 (host:port of node 0)")
+        _require(self.nnodes == 1 or self.dist_secret_file is not None, "dist_secret_file",
+                 "is required with nnodes > 1 (a file with the same secret on every node)")
         _require(self.load_balance_method in ("round_robin", "shortest_queue"), "load_balance_method",
                  "must be round_robin or shortest_queue")
 

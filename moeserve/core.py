@@ -41,32 +41,57 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field that is out of range."""
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        """Raise ValueError naming the first field that is out of range (ranges: ``SAMPLING_LIMITS``)."""
+        _check(_int(self.max_tokens) and self.max_tokens >= 1,
                "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_finite(self.temperature) and self.temperature >= 0,
-               "temperature", f"must be >= 0, got {self.temperature!r}")
+        _check(_finite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+               "temperature", f"must be in [0, {MAX_TEMPERATURE}], got {self.temperature!r}")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1,
                "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int), "top_k", f"must be an integer, got {self.top_k!r}")
+        _check(_int(self.top_k) and self.top_k >= -1,
+               "top_k", f"must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1,
                "min_p", f"must be in [0, 1], got {self.min_p!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _check(_finite(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
-        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-               "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop),
-               "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        low, high = REPETITION_PENALTY_RANGE
+        _check(_finite(self.repetition_penalty) and low <= self.repetition_penalty <= high,
+               "repetition_penalty", f"must be in [{low}, {high}], got {self.repetition_penalty!r}")
+        _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"has {len(self.stop)} strings, at most "
+               f"{MAX_STOP_STRINGS} are allowed")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH for s in self.stop),
+               "stop", f"must be non-empty strings of at most {MAX_STOP_LENGTH} characters")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"has {len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} are allowed")
+        _check(all(_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids),
                "stop_token_ids", "must be non-negative integers")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _check(self.seed is None or (_int(self.seed) and -2**63 <= self.seed < 2**63),
+               "seed", f"must be a 64-bit signed integer, got {self.seed!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperatures below ``SAMPLING_EPS`` mean greedy, as in vLLM and SGLang: dividing by them
+        would overflow float32 logits."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+# The ranges ``SamplingParams.validate`` enforces (docs/security.md lists them).
+SAMPLING_EPS = 1e-5
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 10.0)
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x: object) -> bool:
@@ -88,6 +113,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     STOP = "stop"
     ABORT = "abort"
+    ERROR = "error"  # the engine failed while running this request; ``finish_message`` says why
 
 
 @dataclass

@@ -13,7 +13,8 @@ from moeserve.config import build_engine_config
 from moeserve.core import Req, SamplingParams, TokenLogprob
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.models.tokenizer import load_tokenizer
-from moeserve.scheduler.scheduler import Scheduler, check_request
+from moeserve.scheduler.scheduler import Scheduler
+from moeserve.scheduler.validation import check_request
 
 if TYPE_CHECKING:
     from moeserve.scheduler.ranked_engine import RankedEngine

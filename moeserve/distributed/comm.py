@@ -73,3 +73,20 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
         return x.contiguous()
     pad = x.new_zeros((rows - x.shape[0], *x.shape[1:]))
     return torch.cat([x, pad])
+
+
+def broadcast_bytes(data: bytes, group: Group) -> bytes:
+    """The group leader's ``data`` on every rank (a CPU group; others pass anything, e.g. b"").
+
+    Host-side messages travel as bytes their receivers decode against a schema, never as pickles.
+    """
+    if group.size == 1:
+        return data
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=group.leader, group=group.group)
+    n = int(size)
+    if n == 0:
+        return b""
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if group.first else torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, src=group.leader, group=group.group)
+    return buf.numpy().tobytes()

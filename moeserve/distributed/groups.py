@@ -7,11 +7,19 @@ ranks; expert parallelism over the whole world.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import socket
+import struct
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+STORE_TIMEOUT_S = 1800  # ranks of other nodes may start much later than node 0
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 # NVLink multicast (NVLS) buys nothing for these collectives (all-to-alls, gathers, small
 # reductions) and costs memory; off, NCCL, torch and NVSHMEM never create multicast objects,
@@ -67,14 +75,50 @@ class ParallelGroups:
 
 def init_world(init_method: str, rank: int, world_size: int, device: str, local_rank: int = 0) -> None:
     """Join the default process group from a rank process: NCCL on ``device="cuda"`` (bound to GPU
-    ``local_rank``), gloo otherwise. Call it before anything else touches CUDA or NCCL."""
+    ``local_rank``), gloo otherwise. Call it before anything else touches CUDA or NCCL.
+
+    ``init_method`` is ``file://PATH`` (ranks of one node) or ``tcp://HOST:PORT``. Every socket
+    the backends open listens on ``HOST``'s interface (loopback for a file), never on all of them:
+    the store of rank 0 is bound there, and gloo and NCCL are pointed at it unless the operator
+    chose an interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``).
+    """
+    store, host = _store(init_method, rank, world_size)
+    interface = local_interface(host)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # read when the backends start
+        os.environ.setdefault(name, interface)
     if device != "cuda":
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         return
     for name, value in MULTICAST_OFF.items():  # read when NCCL and CUDA first start in this process
         os.environ.setdefault(name, value)
     torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size)
+
+
+def _store(init_method: str, rank: int, world_size: int) -> tuple[dist.Store, str]:
+    """The rendezvous store and the host the ranks meet on."""
+    if init_method.startswith("file://"):
+        return dist.FileStore(init_method.removeprefix("file://"), world_size), "127.0.0.1"
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    timeout = timedelta(seconds=STORE_TIMEOUT_S)
+    if rank != 0:
+        return dist.TCPStore(host, int(port), world_size, False, timeout), host
+    # torch's store server would listen on every interface: hand it a socket bound to ``host``
+    listener = socket.create_server((host, int(port)))
+    return dist.TCPStore(host, int(port), world_size, True, timeout, master_listen_fd=listener.detach()), host
+
+
+def local_interface(host: str) -> str:
+    """The name of this machine's network interface that reaches ``host`` (``lo`` for loopback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # a UDP connect sends nothing: it only picks the route
+        local_ip = s.getsockname()[0]
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s, contextlib.suppress(OSError):
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            if socket.inet_ntoa(packed[20:24]) == local_ip:
+                return name
+    raise RuntimeError(f"no network interface of this machine has the address {local_ip} (the route to {host})")
 
 
 def single() -> ParallelGroups:

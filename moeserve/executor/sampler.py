@@ -15,12 +15,17 @@ users expect:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from moeserve.core import SamplingParams, TokenLogprob
+from moeserve.core import SAMPLING_EPS, SamplingParams, TokenLogprob
+
+logger = logging.getLogger(__name__)
+_F32_MAX = torch.finfo(torch.float32).max
+_F32_MIN = torch.finfo(torch.float32).min
 
 
 @dataclass
@@ -35,14 +40,37 @@ class SamplingInfo:
 
 @dataclass
 class SampleOutput:
-    """One entry per row: the chosen token and, where ``params.logprobs`` is set, its logprobs."""
+    """One entry per row: the chosen token and, where ``params.logprobs`` is set, its logprobs.
+
+    ``errors`` maps the rows that could not be sampled (their ``next_ids`` entry is -1) to why.
+    """
 
     next_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
     """Stateless: every per-row choice comes from ``SamplingInfo``."""
+
+    def sample_isolated(self, logits: Tensor, infos: list[SamplingInfo]) -> SampleOutput:
+        """``sample``, but a row that makes sampling fail fails alone: the batch is sampled row by
+        row and each failing row is reported in ``errors`` instead of raising."""
+        try:
+            return self.sample(logits, infos)
+        except Exception:  # a per-request failure must not end the rank
+            logger.exception("sampling a batch of %d rows failed; sampling row by row", len(infos))
+        out = SampleOutput(next_ids=[], logprobs=[])
+        for k, info in enumerate(infos):
+            try:
+                row = self.sample(logits[k:k + 1], [info])
+                out.next_ids.append(row.next_ids[0])
+                out.logprobs.append(row.logprobs[0])
+            except Exception as exc:
+                out.next_ids.append(-1)
+                out.logprobs.append(None)
+                out.errors[k] = f"sampling failed: {type(exc).__name__}: {exc}"
+        return out
 
     def sample(self, logits: Tensor, infos: list[SamplingInfo]) -> SampleOutput:
         """Choose one token per row.
@@ -83,6 +111,9 @@ def apply_penalties(logits: Tensor, infos: list[SamplingInfo]) -> Tensor:
     sub = _take_rows(logits, rows)  # [R, V]
     sub = _repetition_penalty(sub, row_infos)
     sub = _frequency_presence_penalty(sub, row_infos)
+    # a penalty can overflow float32 (a tiny repetition_penalty divides): keep every logit finite
+    # so that softmax and the CDF below never see inf - inf
+    sub = torch.nan_to_num(sub, nan=_F32_MIN, posinf=_F32_MAX, neginf=_F32_MIN)
     if len(rows) == len(infos):
         return sub
     return logits.index_copy(0, _index(rows, logits.device), sub)
@@ -140,13 +171,15 @@ def _sample_rows(logits: Tensor, infos: list[SamplingInfo]) -> Tensor:
     device = logits.device
     params = [info.params for info in infos]
     vocab_size = logits.shape[1]
-    temperature = _column([p.temperature for p in params], device)  # [S, 1]
+    # no row here is greedy, so temperature >= SAMPLING_EPS; the clamp guards the division anyway
+    temperature = _column([max(p.temperature, SAMPLING_EPS) for p in params], device)  # [S, 1]
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     top_k_t = _column(top_k, device, torch.long)  # [S, 1]
     # top_p == 1 means off; +inf keeps float rounding of the cumsum from dropping the tail.
     top_p = _column([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device)
     min_p = _column([p.min_p for p in params], device)
-    probs, token_ids = filtered_sorted_probs(logits / temperature, top_k_t, top_p, min_p)
+    scaled = (logits / temperature).clamp_(_F32_MIN, _F32_MAX)  # a huge logit / a small temperature
+    probs, token_ids = filtered_sorted_probs(scaled, top_k_t, top_p, min_p)
     uniforms = draw_uniforms([info.generator for info in infos]).to(device, non_blocking=True)
     return inverse_cdf(probs, token_ids, uniforms)
 
@@ -171,6 +204,7 @@ def filtered_sorted_probs(
     probs = sorted_logits.softmax(dim=-1)  # [S, V]
     mass_before = probs.cumsum(dim=-1) - probs
     drop = (mass_before >= top_p) | (probs < min_p * probs[:, :1])
+    drop[:, 0] = False  # the top token stays whatever the filters say (a top_p that rounds to 0)
     return probs.masked_fill(drop, 0.0), token_ids
 
 
@@ -184,7 +218,7 @@ def inverse_cdf(probs: Tensor, token_ids: Tensor, uniforms: Tensor) -> Tensor:
     target = uniforms.unsqueeze(1) * cdf[:, -1:]  # [S, 1]
     pos = torch.searchsorted(cdf, target, right=True)  # [S, 1] first position with cdf > target
     # Rounding can put target at or past the last cdf step; the last nonzero prob is the safe end.
-    last = (probs > 0).sum(dim=-1, keepdim=True) - 1
+    last = ((probs > 0).sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
     return token_ids.gather(1, torch.minimum(pos, last)).squeeze(1)
 
 

@@ -32,6 +32,13 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer: Any) -> None:
         self.hf = hf_tokenizer
+        # no token covers more characters of text than its vocabulary string has (byte-level
+        # vocabularies spell a byte as one character), so len(text) / this <= the token count
+        self.max_token_chars = max((len(t) for t in hf_tokenizer.get_vocab()), default=1)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of ``len(encode(text))`` that costs no tokenization."""
+        return -(-len(text) // self.max_token_chars)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -54,11 +61,14 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Render ``messages`` with the folder's chat template and tokenize the result."""
+        # The template writes bos itself; letting encode add another would double it.
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """``messages`` as the text of the folder's chat template (encode it without special tokens)."""
         if not self.hf.chat_template:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json has no 'chat_template')")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        # The template writes bos itself; letting encode add another would double it.
-        return self.encode(text, add_special_tokens=False)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 class IncrementalDetokenizer:

@@ -22,14 +22,24 @@ import torch.distributed as dist
 import zmq
 
 from moeserve.config import EngineConfig
-from moeserve.core import DPInfo, Req, ScheduleBatch
-from moeserve.distributed.comm import all_gather_flat, scatter_sizes
+from moeserve.core import DPInfo, FinishReason, Req, ScheduleBatch
+from moeserve.distributed.comm import all_gather_flat, broadcast_bytes, scatter_sizes
 from moeserve.distributed.groups import ParallelGroups, build_groups, init_world
 from moeserve.distributed.groups import single as single_groups
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.executor.sampler import SampleOutput
 from moeserve.models.tokenizer import load_tokenizer
-from moeserve.scheduler.io import AbortInput, EngineStats, GenerateInput, ShutdownInput, TokenOutput
+from moeserve.scheduler.channel import connect
+from moeserve.scheduler.io import (
+    AbortInput,
+    Codec,
+    EngineInput,
+    EngineStats,
+    GenerateInput,
+    ShutdownInput,
+    TokenBatch,
+    TokenOutput,
+)
 from moeserve.scheduler.ranks import RankAddresses
 from moeserve.scheduler.scheduler import Scheduler
 
@@ -73,18 +83,19 @@ class EngineLoop:
         self.runner = ModelRunner(config, groups)
         self.scheduler = Scheduler(_with_dispatch_cap(config, groups), self.runner, tokenizer)
         self.scheduler.sample_sync = self._share_samples
+        self.codec = Codec(EngineInput)
+        self._peer_codec = Codec(list[EngineInput])  # messages the leader shares with its TP peers
+        self._sample_codec = Codec(SampleOutput)
         if self.is_leader and addrs is not None:
-            self._init_sockets(addrs.inputs[groups.dp_rank], addrs.output)
-        self._sent: dict[str, int] = {}  # rid -> output tokens already sent
+            self._init_sockets(addrs, groups.dp_rank)
+        self._sent: dict[str, int] = {}  # rid -> output tokens already sent (the leader sends, so only it counts)
         self._steps, self._last_stats, self._busy = 0, 0.0, False
         self._parent = os.getppid()
 
-    def _init_sockets(self, input_addr: str, output_addr: str) -> None:
+    def _init_sockets(self, addrs: RankAddresses, dp_rank: int) -> None:
         ctx = zmq.Context.instance()
-        self.inputs = ctx.socket(zmq.PULL)
-        self.inputs.connect(input_addr)
-        self.outputs = ctx.socket(zmq.PUSH)
-        self.outputs.connect(output_addr)
+        self.inputs = connect(ctx, zmq.PULL, addrs.inputs[dp_rank], addrs.keys)
+        self.outputs = connect(ctx, zmq.PUSH, addrs.output, addrs.keys)
         self.poller = zmq.Poller()
         self.poller.register(self.inputs, zmq.POLLIN)
 
@@ -118,11 +129,19 @@ class EngineLoop:
 
     # ---- messages --------------------------------------------------------------------------
     def _receive(self) -> list[object]:
-        """Everything waiting on the input socket; waits a little when there is nothing to run."""
+        """Everything waiting on the input socket; waits a little when there is nothing to run.
+
+        A message that does not decode to an engine input is dropped and counted.
+        """
         timeout = 0 if self._busy or self.scheduler.has_work else IDLE_POLL_MS
         msgs = []
         while self.poller.poll(timeout):
-            msgs.append(self.inputs.recv_pyobj())
+            msg = self.codec.decode(self.inputs.recv_multipart())
+            if msg is None:
+                logger.warning("dropped a malformed message (%d so far): %s", self.codec.rejected,
+                               self.codec.last_error)
+            else:
+                msgs.append(msg)
             timeout = 0
         return msgs
 
@@ -131,13 +150,16 @@ class EngineLoop:
         tp = self.groups.cpu_attn_tp
         if tp.size == 1:
             return msgs
-        box = [msgs]
-        dist.broadcast_object_list(box, src=tp.leader, group=tp.group)
-        return box[0]
+        data = broadcast_bytes(self._peer_codec.encode(msgs) if tp.first else b"", tp)
+        return _decoded(self._peer_codec, data)
 
     def _share_samples(self, out: SampleOutput) -> SampleOutput:
         """Ranks sharing a batch append the leader's tokens, whatever their own RNG drew."""
-        return self._share([out])[0] if self.groups.attn_tp.size > 1 else out
+        tp = self.groups.cpu_attn_tp
+        if tp.size == 1:
+            return out
+        data = broadcast_bytes(self._sample_codec.encode(out) if tp.first else b"", tp)
+        return _decoded(self._sample_codec, data)
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, AbortInput):
@@ -148,15 +170,27 @@ class EngineLoop:
         assert isinstance(msg, GenerateInput)
         try:
             self.scheduler.add_request(msg.rid, msg.prompt_ids, msg.params)
-            self._sent[msg.rid] = 0
         except ValueError as exc:
-            if self.is_leader:
-                self.outputs.send_pyobj([TokenOutput(msg.rid, [], finish_reason="error", error=str(exc))])
+            self._refuse(msg.rid, str(exc), 400)
+            return
+        except Exception as exc:  # a per-request failure must not end the rank
+            logger.exception("request %s could not be queued", msg.rid)
+            self._refuse(msg.rid, f"{type(exc).__name__}: {exc}", 500)
+            return
+        if self.is_leader:
+            self._sent[msg.rid] = 0
+
+    def _refuse(self, rid: str, message: str, status: int) -> None:
+        if self.is_leader:
+            self._send(TokenBatch([TokenOutput(rid, [], finish_reason="error", error=message, error_status=status)]))
+
+    def _send(self, msg: object) -> None:
+        self.outputs.send(self.codec.encode(msg))
 
     def _send_outputs(self, reqs: list[Req]) -> None:
         batch = [self._delta(req) for req in reqs]
         if batch:
-            self.outputs.send_pyobj(batch)
+            self._send(TokenBatch(batch))
 
     def _delta(self, req: Req) -> TokenOutput:
         sent = self._sent.get(req.rid, 0)
@@ -166,6 +200,8 @@ class EngineLoop:
         if req.finished:
             self._sent.pop(req.rid, None)
             out.finish_reason, out.text = req.finish_reason.value, req.text
+            if req.finish_reason is FinishReason.ERROR:
+                out.error, out.error_status = req.finish_message, 500
         else:
             self._sent[req.rid] = len(req.output_ids)
         return out
@@ -176,11 +212,20 @@ class EngineLoop:
             return
         self._last_stats = now
         q, pages = self.scheduler.queues, self.runner.page_pool
-        self.outputs.send_pyobj(EngineStats(
+        self._send(EngineStats(
             num_running=len(q.running) + (q.chunked is not None), num_waiting=len(q.waiting),
             pages_used=pages.num_used, pages_total=pages.capacity, page_size=pages.page_size,
             retracted=self.scheduler.policy.retracted, generation_steps=self._steps, dp_rank=self.groups.dp_rank,
+            rejected_messages=self.codec.rejected,
         ))
+
+
+def _decoded(codec: Codec, data: bytes) -> object:
+    """A message from this group's leader: it cannot be malformed unless the ranks disagree on code."""
+    msg = codec.decode([data])
+    if msg is None:
+        raise RuntimeError(f"a message from the group leader did not decode: {codec.last_error}")
+    return msg
 
 
 def _with_dispatch_cap(config: EngineConfig, groups: ParallelGroups) -> EngineConfig:
@@ -228,6 +273,6 @@ def _init_distributed(config: EngineConfig, rank: int, addrs: RankAddresses) -> 
     if device != "cuda":  # ranks sharing the cores: more threads than cores makes every collective wait
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.ranks_per_node))
     # NCCL for the device tensors; build_groups adds gloo twins for the host-side agreement
-    init_world(f"tcp://{addrs.dist_init}", rank, par.world_size, device, local_rank=rank % par.ranks_per_node)
+    init_world(addrs.store, rank, par.world_size, device, local_rank=rank % par.ranks_per_node)
     return build_groups(par.world_size, rank, par.attn_tp_size, par.dense_tp_size, par.ep_world,
                         par.enable_dp_lm_head)

@@ -1,48 +1,57 @@
-"""Messages between the API process and the engine ranks (pickled over ZMQ)."""
+"""Messages between the API process and the engine ranks: plain data with a schema.
+
+Every message is a tagged ``msgspec`` struct encoded as MessagePack, never a pickle: a decoder
+accepts only the types of its channel, checks every field's type, and runs ``SamplingParams``'
+range checks, so a malformed or forged message is refused (and counted) instead of run.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from moeserve.core import SamplingParams, TokenLogprob
 
+# ZMQ drops larger messages before they are read: a request is at most a context of token ids
+MAX_MESSAGE_BYTES = 64 << 20
 
-@dataclass
-class GenerateInput:
+
+class GenerateInput(msgspec.Struct, tag="generate"):
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
 
 
-@dataclass
-class AbortInput:
+class AbortInput(msgspec.Struct, tag="abort"):
     rid: str
 
 
-@dataclass
-class ShutdownInput:
+class ShutdownInput(msgspec.Struct, tag="shutdown"):
     pass
 
 
-@dataclass
-class TokenOutput:
+class TokenOutput(msgspec.Struct, tag="tokens"):
     """New tokens of one request since the last message; ``finish_reason`` set on the last one.
 
     ``text`` is the engine's final text (cut at a stop string) and comes only with the finish;
-    ``error`` is set when the engine refused the request.
+    ``error`` is set when the request ended without a result: ``error_status`` 400 when the engine
+    refused it (bad input), 500 when the engine failed while running it.
     """
 
     rid: str
     new_ids: list[int]
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None
     error: str | None = None
+    error_status: int = 400
     prompt_len: int = 0
 
 
-@dataclass
-class EngineStats:
+class TokenBatch(msgspec.Struct, tag="batch"):
+    outputs: list[TokenOutput]
+
+
+class EngineStats(msgspec.Struct, tag="stats"):
     num_running: int
     num_waiting: int
     pages_used: int
@@ -51,3 +60,36 @@ class EngineStats:
     retracted: int
     generation_steps: int
     dp_rank: int = 0
+    rejected_messages: int = 0  # malformed messages this rank dropped
+
+
+EngineInput = GenerateInput | AbortInput | ShutdownInput
+EngineOutput = TokenBatch | EngineStats
+
+
+class Codec:
+    """Encodes any message; decodes only ``accepts``, counting what it refuses."""
+
+    def __init__(self, accepts: object) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(accepts)
+        self.rejected = 0
+        self.last_error: str | None = None
+
+    def encode(self, msg: object) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, frames: list[bytes]) -> object | None:
+        """The message in ``frames`` (one frame), or None when it is malformed."""
+        if len(frames) != 1:
+            self._reject(f"{len(frames)} frames, expected 1")
+            return None
+        try:
+            return self._decoder.decode(frames[0])
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            self._reject(str(exc))
+            return None
+
+    def _reject(self, why: str) -> None:
+        self.rejected += 1
+        self.last_error = why

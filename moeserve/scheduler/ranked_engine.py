@@ -10,7 +10,8 @@ from tqdm import tqdm
 
 from moeserve.config import EngineConfig
 from moeserve.core import FinishReason, Req, ReqStatus, SamplingParams
-from moeserve.scheduler.io import EngineStats, GenerateInput, ShutdownInput, TokenOutput
+from moeserve.scheduler.channel import ServerSide
+from moeserve.scheduler.io import Codec, EngineOutput, EngineStats, GenerateInput, ShutdownInput, TokenOutput
 from moeserve.scheduler.ranks import RankAddresses, RankProcesses
 
 POLL_MS = 500
@@ -18,11 +19,13 @@ POLL_MS = 500
 
 class RankedEngine:
     def __init__(self, config: EngineConfig) -> None:
-        addrs = RankAddresses.derive(config.parallel)
+        self.addrs = RankAddresses.derive(config.parallel)
         self.ctx = zmq.Context()
-        self.inputs = [self._bind(zmq.PUSH, a) for a in addrs.inputs]
-        self.output = self._bind(zmq.PULL, addrs.output)
-        self.ranks = RankProcesses(config, addrs)
+        self.channel = ServerSide(self.ctx, self.addrs.keys)
+        self.inputs = [self.channel.bind(zmq.PUSH, a) for a in self.addrs.inputs]
+        self.output = self.channel.bind(zmq.PULL, self.addrs.output)
+        self.codec = Codec(EngineOutput)
+        self.ranks = RankProcesses(config, self.addrs)
         try:
             self.max_total_tokens = self.ranks.wait_ready()["max_total_tokens"]
         except Exception:
@@ -30,17 +33,12 @@ class RankedEngine:
             raise
         self._ids = itertools.count()
 
-    def _bind(self, kind: int, addr: str) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.bind(addr)
-        return sock
-
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[Req]:
         """Send every prompt (DP groups in turn), wait for all to finish; requests in order."""
         reqs = {f"ranked-{next(self._ids)}": Req("", ids, p) for ids, p in zip(prompts, params)}
         for i, (rid, req) in enumerate(reqs.items()):
             req.rid = rid
-            self.inputs[i % len(self.inputs)].send_pyobj(GenerateInput(rid, req.prompt_ids, req.params))
+            self.inputs[i % len(self.inputs)].send(self.codec.encode(GenerateInput(rid, req.prompt_ids, req.params)))
         pending = set(reqs)
         with tqdm(total=len(reqs), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while pending:
@@ -54,14 +52,14 @@ class RankedEngine:
         while not self.output.poll(POLL_MS):
             if (dead := self.ranks.dead()) is not None:
                 raise RuntimeError(f"engine {dead}")
-        msg = self.output.recv_pyobj()
-        return [] if isinstance(msg, EngineStats) else msg
+        msg = self.codec.decode(self.output.recv_multipart())
+        return [] if msg is None or isinstance(msg, EngineStats) else msg.outputs
 
     @staticmethod
     def _apply(req: Req, out: TokenOutput) -> bool:
         """Add a message to its request; True when the request is finished."""
         if out.error is not None:
-            raise ValueError(out.error)
+            raise (ValueError if out.error_status < 500 else RuntimeError)(out.error)
         req.output_ids += out.new_ids
         req.output_logprobs += out.new_logprobs
         if out.finish_reason is None:
@@ -74,8 +72,10 @@ class RankedEngine:
         if self.ranks.dead() is None:
             for sock in self.inputs:
                 with contextlib.suppress(zmq.Again):
-                    sock.send_pyobj(ShutdownInput(), flags=zmq.NOBLOCK)
+                    sock.send(self.codec.encode(ShutdownInput()), flags=zmq.NOBLOCK)
         self.ranks.stop()
         for sock in [*self.inputs, self.output]:
             sock.close(linger=0)
+        self.channel.stop()
         self.ctx.term()
+        self.addrs.cleanup()

@@ -1,64 +1,69 @@
 """Engine rank processes: where they listen, how they start, how they stop.
 
 Rank ``r`` runs one scheduler + model runner. The first rank of each attention-TP group (the
-DP group's leader) pulls that group's requests from the API process and pushes its tokens back;
-the addresses follow from ``--dist-init-addr`` so that ranks on other nodes can find them.
+DP group's leader) pulls that group's requests from the API process and pushes its tokens back,
+over the authenticated sockets of ``channel``.
+
+On one node nothing listens on the network for this: the sockets are IPC paths and the
+torch.distributed store a file, all in a private directory (mode 0700) made for the launch.
+Across nodes they are TCP ports next to ``--dist-init-addr``, bound to its host only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
+import shutil
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 
 from moeserve.config import EngineConfig, ParallelConfig
+from moeserve.scheduler.channel import ChannelKeys
 
 READY_TIMEOUT_S = 1800
 
 
 @dataclass(frozen=True)
 class RankAddresses:
-    dist_init: str  # host:port of torch.distributed's rendezvous
+    store: str  # torch.distributed's rendezvous: file://PATH on one node, tcp://host:port across nodes
     output: str  # every leader pushes TokenOutputs here
     inputs: tuple[str, ...]  # DP group d's leader pulls requests from inputs[d]
+    keys: ChannelKeys
+    run_dir: str | None = None  # the private directory of a one-node launch
 
     @classmethod
     def derive(cls, par: ParallelConfig) -> RankAddresses:
-        """Ports ``p+1`` (outputs) and ``p+2+d`` (inputs) next to the rendezvous port ``p``.
-
-        Without ``--dist-init-addr``, ``p`` is the start of a run of ports that are all free now.
-        """
-        dist_init = par.dist_init_addr or f"127.0.0.1:{free_port_run(2 + par.attn_dp_size)}"
-        host, port = dist_init.rsplit(":", 1)
+        """One node: IPC paths in a new private directory, random keys. Several nodes: ports
+        ``p+1`` (outputs) and ``p+2+d`` (inputs) next to the rendezvous port ``p`` on its host, and
+        keys derived from the shared secret file."""
+        if par.nnodes == 1:
+            run_dir = tempfile.mkdtemp(prefix="moeserve-")  # 0700: only this user can reach it
+            inputs = tuple(f"ipc://{run_dir}/in{d}" for d in range(par.attn_dp_size))
+            return cls(f"file://{run_dir}/store", f"ipc://{run_dir}/out", inputs, ChannelKeys.generate(), run_dir)
+        host, port = par.dist_init_addr.rsplit(":", 1)
         base = int(port)
         inputs = tuple(f"tcp://{host}:{base + 2 + d}" for d in range(par.attn_dp_size))
-        return cls(dist_init, f"tcp://{host}:{base + 1}", inputs)
+        return cls(f"tcp://{host}:{base}", f"tcp://{host}:{base + 1}", inputs, _keys_from_file(par.dist_secret_file))
+
+    def cleanup(self) -> None:
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _keys_from_file(path: str) -> ChannelKeys:
+    with open(path, "rb") as f:
+        secret = f.read().strip()
+    try:
+        return ChannelKeys.from_secret(secret)
+    except ValueError as exc:
+        raise ValueError(f"dist_secret_file {path!r}: {exc}") from None
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def free_port_run(n: int, attempts: int = 64) -> int:
-    """A port ``p`` such that ``p .. p+n-1`` can all be bound now.
-
-    The kernel's free port says nothing about its neighbours, which other processes' outgoing
-    connections take from the same range; each candidate run is bound whole, then released.
-    """
-    for _ in range(attempts):
-        base = free_port()
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(base, base + n):
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            except OSError:  # taken, or past 65535
-                continue
-            return base
-    raise RuntimeError(f"no run of {n} free ports found on 127.0.0.1 in {attempts} tries")
 
 
 class RankProcesses:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -13,32 +14,9 @@ from moeserve.core import FinishReason, Req, SamplingParams, ScheduleBatch
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.executor.sampler import SampleOutput, Sampler, SamplingInfo
 from moeserve.scheduler.policy import BatchPolicy, Queues
+from moeserve.scheduler.validation import check_request
 
-
-def check_request(prompt_ids: list[int], params: SamplingParams, config: EngineConfig, kv_capacity: int,
-                  has_tokenizer: bool) -> None:
-    """Raise ValueError naming the problem when a request can never run.
-
-    The API process calls this too, so bad input is refused before a response starts streaming.
-    """
-    params.validate()
-    if params.stop and not has_tokenizer:
-        raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
-    if not prompt_ids:
-        raise ValueError("prompt is empty")
-    vocab = config.model.vocab_size
-    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
-    context = config.context_length
-    if len(prompt_ids) >= context:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens, the context length is {context}")
-    if len(prompt_ids) + params.max_tokens > context:
-        raise ValueError(f"max_tokens ({params.max_tokens}) plus the prompt ({len(prompt_ids)} tokens) "
-                         f"exceeds the context length {context}")
-    if len(prompt_ids) + params.max_tokens > kv_capacity:
-        raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                         f"can never fit in the KV cache of {kv_capacity} tokens")
+logger = logging.getLogger(__name__)
 
 
 class Detokenizer(Protocol):
@@ -117,22 +95,38 @@ class Scheduler:
         return self.policy.next_batch(self.queues)
 
     def process(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
-        """Apply a batch's logits: sample, append, check stops, free what finished."""
+        """Apply a batch's logits: sample, append, check stops, free what finished.
+
+        A request whose sampling or stop check fails ends alone with ``FinishReason.ERROR``; the
+        rest of the batch, and the rank, go on.
+        """
         for seq in batch.seqs:
             seq.req.kv_len = seq.end
         done = [(i, s.req) for i, s in enumerate(batch.seqs) if s.completes_fill]
         if not done:
             return []
         infos = [SamplingInfo(r.params, r.generator, r.prompt_ids, r.output_ids) for _, r in done]
-        sampled = self.sample_sync(self.sampler.sample(logits[[i for i, _ in done]], infos))
+        sampled = self.sample_sync(self.sampler.sample_isolated(logits[[i for i, _ in done]], infos))
         for k, (_, req) in enumerate(done):
+            if k in sampled.errors:
+                self.fail(req, sampled.errors[k])
+                continue
             req.output_ids.append(sampled.next_ids[k])
             if sampled.logprobs is not None and sampled.logprobs[k] is not None:
                 req.output_logprobs.append(sampled.logprobs[k])
             if not batch.mode.is_decode:
                 self.queues.running.append(req)  # prefill done: decode from the next step on
-            self._check_finished(req)
+            try:
+                self._check_finished(req)
+            except Exception as exc:  # detokenizing for a stop string, say
+                logger.exception("request %s failed after sampling", req.rid)
+                self.fail(req, f"{type(exc).__name__}: {exc}")
         return [req for _, req in done]
+
+    def fail(self, req: Req, message: str) -> None:
+        """End a request that the engine could not run, wherever it is; its pages are freed."""
+        if self.abort(req.rid) is not None:
+            req.finish(FinishReason.ERROR, message)
 
     def _check_finished(self, req: Req) -> None:
         params, token = req.params, req.output_ids[-1]

@@ -1,27 +1,43 @@
-"""The HTTP API: FastAPI app with OpenAI-compatible and native endpoints."""
+"""The HTTP API: FastAPI app with OpenAI-compatible and native endpoints.
+
+What a client sends is bounded before it costs anything: the body size (``--max-request-bytes``),
+the queue (``--max-queued-requests``, counted per engine request the moment an HTTP request is
+admitted), the prompt length (a cheap lower bound before tokenizing; long texts are tokenized
+off the event loop). Every error has the OpenAI envelope ``{"error": {...}}``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moeserve.config import EngineConfig
 from moeserve.core import SamplingParams
 from moeserve.models.tokenizer import Tokenizer
-from moeserve.scheduler.scheduler import check_request
+from moeserve.scheduler.validation import check_request
 from moeserve.server import openai_serving as oai
-from moeserve.server.engine_client import EngineClient, EngineError
+from moeserve.server.engine_client import EngineClient, EngineError, Ticket
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 DISCONNECT_POLL_S = 0.2
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+# texts up to this many characters are tokenized on the event loop (well under a millisecond);
+# longer ones in a worker thread, where the tokenizer releases the GIL
+INLINE_TOKENIZE_CHARS = 4096
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key
 
 
 @dataclass(frozen=True)
@@ -31,10 +47,13 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str = "default"
     max_queued_requests: int = 256
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
 
 
 class APIError(Exception):
@@ -53,15 +72,44 @@ class ServerState:
     kv_capacity: int
     healthy: bool = True
     failure: str | None = None  # why the server stopped serving, when it was not asked to
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    async def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as token ids")
+        tokenizer = self._text_tokenizer()
         if not prompt:
             raise APIError(400, "prompt is empty")
-        return self.tokenizer.encode(prompt)
+        self._check_text_length(prompt)
+        return await self._off_loop(len(prompt), tokenizer.encode, prompt)
+
+    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        tokenizer = self._text_tokenizer()
+        size = sum(len(m["content"]) for m in messages)
+        try:
+            text = await self._off_loop(size, tokenizer.render_chat, messages)
+        except Exception as exc:  # the template refused the conversation (roles, order …)
+            raise APIError(400, f"messages: {exc}") from exc
+        self._check_text_length(text)
+        return await self._off_loop(len(text), tokenizer.encode, text, False)
+
+    def _text_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids")
+        return self.tokenizer
+
+    def _check_text_length(self, text: str) -> None:
+        """Refuse, without tokenizing, a text that must have more tokens than the context holds."""
+        least, context = self.tokenizer.min_tokens(text), self.engine.context_length
+        if least >= context:
+            raise APIError(400, f"prompt has at least {least} tokens ({len(text)} characters), "
+                                f"the context length is {context}")
+
+    async def _off_loop(self, size: int, fn: Callable, *args: Any) -> Any:
+        if size <= INLINE_TOKENIZE_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         try:
@@ -74,18 +122,29 @@ class ServerState:
         if model is not None and model not in known:
             raise APIError(400, f"model {model!r} is not served here; use {self.server.served_model_name!r}")
 
-    def admit(self) -> None:
+    def admit(self, places: int) -> Ticket:
+        """Queue places for ``places`` engine requests, taken now, before any await: a burst of
+        requests cannot pass the limit together."""
         if not self.healthy:
-            raise APIError(503, "the engine is not running", "service_unavailable")
-        if self.client.num_queued >= self.server.max_queued_requests:
-            raise APIError(503, f"the queue is full ({self.server.max_queued_requests} requests waiting)",
-                           "service_unavailable", {"Retry-After": "1"})
+            raise APIError(503, "the engine is not running", "server_error")
+        limit = self.server.max_queued_requests
+        if places > limit:
+            raise APIError(400, f"this request makes {places} completions (prompts x n); the queue holds at "
+                                f"most {limit} (--max-queued-requests)")
+        if self.client.queued + places > limit:
+            self.client.metrics.refused("queue_full")
+            raise APIError(503, f"the queue is full ({limit} requests waiting)", "server_error",
+                           {"Retry-After": "1"})
+        return self.client.admit(places)
+
+
+def error_body(status: int, message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
 def error_json(status: int, message: str, kind: str = "invalid_request_error",
                headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, kind), status_code=status, headers=headers)
 
 
 def sse(payload: dict | str) -> str:
@@ -96,12 +155,30 @@ async def stream_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield sse(event)
-    except (EngineError, APIError) as exc:
-        yield sse({"error": {"message": str(exc), "type": "invalid_request_error"}})
+    except EngineError as exc:
+        yield sse(error_body(exc.status, str(exc), exc.kind))
+    except APIError as exc:
+        yield sse(error_body(exc.status, exc.message, exc.kind))
     yield sse("[DONE]")
 
 
-async def until_disconnect(request: Request, work: asyncio.Future) -> object:
+class GuardedStream(StreamingResponse):
+    """A streaming response that always runs ``on_close`` and closes its body, even when the
+    client left before the first byte (Starlette then never starts the body iterator)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.on_close()
+
+
+async def until_disconnect(request: Request, work: Awaitable) -> object:
     """Await ``work``; cancel it (which aborts its engine requests) if the client goes away."""
     task = asyncio.ensure_future(work)
     while not task.done():
@@ -116,7 +193,9 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], AbstractAsyncCon
     app = FastAPI(title="moeserve", version="0.1.0", lifespan=lifespan)
     app.state.moeserve = state
     _install_error_handlers(app)
-    _install_auth(app, state.server.api_key)
+    app.add_middleware(BodyLimit, limit=state.server.max_request_bytes, on_refuse=state.client.metrics.refused)
+    if state.server.api_key:
+        app.add_middleware(APIKeyAuth, api_key=state.server.api_key)  # outermost: before the body is read
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
     return app
@@ -135,19 +214,68 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, exc: EngineError) -> JSONResponse:
-        return error_json(400, str(exc))
+        return error_json(exc.status, str(exc), exc.kind)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own answers (404, 405, a body that is not JSON or not UTF-8 …), in the envelope
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_json(exc.status_code, str(exc.detail), kind, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_json(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
-def _install_auth(app: FastAPI, api_key: str | None) -> None:
-    if not api_key:
-        return
-    open_paths = {"/health", "/metrics"}
+class APIKeyAuth:
+    """``Authorization: Bearer KEY`` on every path but ``OPEN_PATHS``, compared in constant time.
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if request.url.path not in open_paths and request.headers.get("authorization") != f"Bearer {api_key}":
-            return error_json(401, "invalid or missing API key", "authentication_error")
-        return await call_next(request)
+    Plain ASGI (not ``BaseHTTPMiddleware``), so the app still sees the client's disconnect."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                await error_json(401, "invalid or missing API key", "authentication_error")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """413 for a body over ``limit`` bytes: at once from its Content-Length, or as soon as the
+    bytes received pass it (a chunked upload)."""
+
+    def __init__(self, app: ASGIApp, limit: int, on_refuse: Callable[[str], None]) -> None:
+        self.app, self.limit, self.on_refuse = app, limit, on_refuse
+
+    def _too_large(self) -> HTTPException:
+        self.on_refuse("body_too_large")
+        return HTTPException(413, f"the request body is larger than {self.limit} bytes (--max-request-bytes)")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            exc = self._too_large() if declared.isdigit() else HTTPException(400, "bad Content-Length")
+            await error_json(exc.status_code, exc.detail)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise self._too_large()  # FastAPI passes an HTTPException from the body read on
+            return message
+
+        await self.app(scope, limited, send)
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -168,6 +296,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        state.client.metrics.refused_peers.set(state.client.channel.refusals.count)
         return Response(state.client.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -184,34 +313,44 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                 "max_total_tokens": state.kv_capacity, "is_generation": True}
 
 
-async def _respond(request: Request, stream: bool, events: Callable[[], AsyncIterator[dict]],
-                   whole: Callable[[], Awaitable[dict]]) -> Response:
-    """Server-sent events when streaming, else one JSON body (aborted if the client leaves)."""
-    if stream:
-        return StreamingResponse(stream_events(events()), media_type="text/event-stream")
-    return JSONResponse(await until_disconnect(request, whole()))
+async def _serve(request: Request, state: ServerState, places: int, stream: bool,
+                 prepare: Callable[[Ticket], Awaitable[Any]], events: Callable[[Any], AsyncIterator[dict]],
+                 whole: Callable[[Any], Awaitable[dict]]) -> Response:
+    """Admit, build the engine jobs, then answer with server-sent events when streaming, else one
+    JSON body (aborted if the client leaves). The queue places are given back on every path."""
+    ticket = state.admit(places)
+    streaming = False
+    try:
+        jobs = await prepare(ticket)
+        if stream:
+            streaming = True
+            return GuardedStream(stream_events(events(jobs)), on_close=ticket.release)
+        return JSONResponse(await until_disconnect(request, whole(jobs)))
+    finally:
+        if not streaming:
+            ticket.release()
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        state.admit()
         state.check_model(body.model)
-        jobs = oai.completion_jobs(state, body)
-        return await _respond(request, body.stream, lambda: oai.stream_completion(state, body, jobs),
-                              lambda: oai.completion_response(state, body, jobs))
+        return await _serve(request, state, oai.completion_places(body), body.stream,
+                            lambda ticket: oai.completion_jobs(state, body, ticket),
+                            lambda jobs: oai.stream_completion(state, body, jobs),
+                            lambda jobs: oai.completion_response(state, body, jobs))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        state.admit()
         state.check_model(body.model)
-        jobs = oai.chat_jobs(state, body)
-        return await _respond(request, body.stream, lambda: oai.stream_chat(state, body, jobs),
-                              lambda: oai.chat_response(state, body, jobs))
+        return await _serve(request, state, body.n, body.stream,
+                            lambda ticket: oai.chat_jobs(state, body, ticket),
+                            lambda jobs: oai.stream_chat(state, body, jobs),
+                            lambda jobs: oai.chat_response(state, body, jobs))
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        state.admit()
-        ids, params = oai.native_job(state, body)
-        return await _respond(request, body.stream, lambda: oai.stream_native(state, body, ids, params),
-                              lambda: oai.native_response(state, body, ids, params))
+        return await _serve(request, state, 1, body.stream,
+                            lambda ticket: oai.native_job(state, body, ticket),
+                            lambda job: oai.stream_native(state, body, job),
+                            lambda job: oai.native_response(state, body, job))

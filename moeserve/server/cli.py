@@ -40,7 +40,12 @@ def _add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -
     par.add_argument("--max-dispatch-tokens-per-rank", type=int, default=128)
     par.add_argument("--nnodes", type=int, default=1)
     par.add_argument("--node-rank", type=int, default=0)
-    par.add_argument("--dist-init-addr", default=None, help="host:port of node 0, for torch.distributed")
+    par.add_argument("--dist-init-addr", default=None,
+                     help="host:port of node 0 with --nnodes > 1: torch.distributed and the request channel "
+                          "listen on this host, ports port .. port+1+dp")
+    par.add_argument("--dist-secret-file", default=None,
+                     help="with --nnodes > 1: a file holding the same secret (>= 16 bytes) on every node; the "
+                          "request channel between nodes authenticates and encrypts with keys derived from it")
     par.add_argument("--load-balance-method", default="round_robin", choices=["round_robin", "shortest_queue"])
 
 
@@ -49,7 +54,8 @@ _ENGINE_KEYS = ("tokenizer_path", "device", "dtype", "load_format", "page_size",
                 "quantization", "disable_cuda_graph", "cuda_graph_max_bs",
                 "tp_size", "dp_size", "enable_dp_attention", "ep_size", "moe_a2a_backend", "deepep_mode",
                 "moe_dense_tp_size", "enable_dp_lm_head", "ep_num_redundant_experts",
-                "max_dispatch_tokens_per_rank", "nnodes", "node_rank", "dist_init_addr", "load_balance_method")
+                "max_dispatch_tokens_per_rank", "nnodes", "node_rank", "dist_init_addr", "dist_secret_file",
+                "load_balance_method")
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,7 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = build_engine_config(model_path, **engine_settings(args))
     name = args.served_model_name or (os.path.basename(os.path.normpath(model_path)) if args.model_path else "tiny-chat")
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
-                          max_queued_requests=args.max_queued_requests)
+                          max_queued_requests=args.max_queued_requests,
+                          **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
     return serve(engine, server)
 
 
@@ -163,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-queued-requests", type=int, default=256,
                      help="answer 503 (Retry-After) while this many requests wait for their first token")
+    srv.add_argument("--max-request-bytes", type=int, default=None,
+                     help="answer 413 to a request body larger than this (default: 16 MiB)")
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

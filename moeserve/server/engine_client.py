@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,13 +15,54 @@ import zmq.asyncio
 
 from moeserve.core import SamplingParams, TokenLogprob
 from moeserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
-from moeserve.scheduler.io import AbortInput, EngineStats, GenerateInput, ShutdownInput, TokenOutput
+from moeserve.scheduler.channel import ServerSide
+from moeserve.scheduler.io import (
+    AbortInput,
+    Codec,
+    EngineInput,
+    EngineOutput,
+    EngineStats,
+    GenerateInput,
+    ShutdownInput,
+    TokenBatch,
+    TokenOutput,
+)
 from moeserve.scheduler.ranks import RankAddresses
 from moeserve.server.metrics import Metrics
 
+logger = logging.getLogger(__name__)
+
 
 class EngineError(RuntimeError):
-    """The engine refused a request (bad input) or is gone."""
+    """A request ended without a result. ``status``: 400 when the engine refused it (bad input),
+    500 when the engine failed while running it, 503 when the engine is gone."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def kind(self) -> str:
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+
+class Ticket:
+    """Queue places an HTTP request holds from the moment it is admitted: one per engine request
+    it will make, each given back when that request gets its first token or ends. ``release``
+    gives back whatever is left; it is safe to call more than once."""
+
+    def __init__(self, client: EngineClient, places: int) -> None:
+        self.client, self.places = client, places
+        client.queued += places
+
+    def done_one(self) -> None:
+        if self.places > 0:
+            self.places -= 1
+            self.client.queued -= 1
+
+    def release(self) -> None:
+        self.client.queued -= self.places
+        self.places = 0
 
 
 @dataclass
@@ -49,32 +91,31 @@ class _Request:
 
 
 class EngineClient:
-    """Talks to the engine ranks over ZMQ sockets this process binds: one PUSH per data-parallel
-    group (its leader pulls) and one PULL that every leader pushes tokens to.
+    """Talks to the engine ranks over authenticated ZMQ sockets this process binds: one PUSH per
+    data-parallel group (its leader pulls) and one PULL that every leader pushes tokens to.
 
     It is also the DP controller: each request goes to one DP group, by round robin or to the
     group with the fewest outstanding tokens (prompt + tokens still to generate).
     """
 
     def __init__(self, tokenizer: Tokenizer | None, metrics: Metrics, addrs: RankAddresses,
-                 load_balance_method: str = "round_robin", bind_all_interfaces: bool = False) -> None:
+                 load_balance_method: str = "round_robin") -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.ctx = zmq.asyncio.Context()
-        self._to_engine = [self._bind(zmq.PUSH, a, bind_all_interfaces) for a in addrs.inputs]
-        self._from_engine = self._bind(zmq.PULL, addrs.output, bind_all_interfaces)
+        self.channel = ServerSide(self.ctx, addrs.keys)
+        self._to_engine = [self.channel.bind(zmq.PUSH, a) for a in addrs.inputs]
+        self._from_engine = self.channel.bind(zmq.PULL, addrs.output)
+        self.codec = Codec(EngineOutput)
+        self._input_check = Codec(EngineInput)  # what the ranks will accept, checked before sending
         self.load_balance_method = load_balance_method
         self._next_dp = 0
         self._requests: dict[str, _Request] = {}
+        self.queued = 0  # admitted requests without a first token yet (``Ticket``)
         self.stats: dict[int, EngineStats] = {}
         self.dead: str | None = None
         self._reader: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-
-    def _bind(self, kind: int, addr: str, all_interfaces: bool) -> zmq.asyncio.Socket:
-        sock = self.ctx.socket(kind)
-        sock.bind(f"tcp://*:{addr.rsplit(':', 1)[1]}" if all_interfaces else addr)
-        return sock
 
     def _pick_dp(self, cost: int) -> int:
         """The DP group for a new request costing ``cost`` tokens."""
@@ -87,10 +128,8 @@ class EngineClient:
         self._next_dp = (self._next_dp + 1) % n
         return (self._next_dp - 1) % n
 
-    @property
-    def num_queued(self) -> int:
-        """Requests sent to the engine that have not produced a token yet."""
-        return sum(1 for r in self._requests.values() if r.num_tokens == 0)
+    def admit(self, places: int) -> Ticket:
+        return Ticket(self, places)
 
     @property
     def num_in_flight(self) -> int:
@@ -98,31 +137,55 @@ class EngineClient:
 
     def start(self) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        self._reader.add_done_callback(self._reader_ended)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       ticket: Ticket | None = None) -> AsyncIterator[Chunk]:
         """Stream one request's chunks; aborts it in the engine if the consumer stops early."""
-        if self.dead:
-            raise EngineError(self.dead)
+        ticket = ticket or self.admit(1)
         rid = uuid.uuid4().hex
+        try:
+            message = self._encode_input(GenerateInput(rid, prompt_ids, params))
+        except EngineError:
+            ticket.done_one()
+            raise
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) if self.tokenizer else None
         cost = len(prompt_ids) + params.max_tokens
         req = self._requests[rid] = _Request(rid, params, detok, self._pick_dp(cost), cost)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        await self._to_engine[req.dp].send_pyobj(GenerateInput(rid, prompt_ids, params))
-        finished = False
+        finished, queued = False, True
         try:
+            await self._to_engine[req.dp].send(message)
             while not finished:
                 out: TokenOutput = await req.queue.get()
+                if queued:  # its first answer: no longer waiting in the queue
+                    ticket.done_one()
+                    queued = False
                 if out.error is not None:
-                    raise EngineError(out.error)
+                    finished = True  # the engine has forgotten it already
+                    raise EngineError(out.error, out.error_status)
                 chunk = self._to_chunk(req, out)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
+            if queued:
+                ticket.done_one()
             self._requests.pop(rid, None)
             if not finished and not self.dead:
                 self.metrics.finished("abort")
                 self._abort_soon(rid, req.dp)
+
+    def _encode_input(self, msg: GenerateInput) -> bytes:
+        """The message as the ranks will decode it; a request they would drop is refused here."""
+        if self.dead:
+            raise EngineError(self.dead, 503)
+        try:
+            data = self.codec.encode(msg)
+        except (OverflowError, TypeError) as exc:
+            raise EngineError(f"the request cannot be encoded: {exc}", 400) from exc
+        if self._input_check.decode([data]) is None:
+            raise EngineError(f"the request does not match the engine's schema: {self._input_check.last_error}", 400)
+        return data
 
     def _abort_soon(self, rid: str, dp: int) -> None:
         """Send the abort from a task of its own: this request's task may be mid-cancellation,
@@ -133,7 +196,7 @@ class EngineClient:
 
     async def _send(self, msg: object, dp: int) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            await self._to_engine[dp].send_pyobj(msg)
+            await self._to_engine[dp].send(self.codec.encode(msg))
 
     def _to_chunk(self, req: _Request, out: TokenOutput) -> Chunk:
         self._record_timing(req, len(out.new_ids), out.finish_reason)
@@ -176,22 +239,43 @@ class EngineClient:
             self.metrics.finished(finish_reason)
 
     async def _read_loop(self) -> None:
+        """Route every output to its request. A malformed message is dropped and counted; nothing
+        a message holds can end this loop."""
         while True:
-            msg = await self._from_engine.recv_pyobj()
-            if isinstance(msg, EngineStats):
+            msg = self.codec.decode(await self._from_engine.recv_multipart())
+            if msg is None:
+                self.metrics.rejected_messages.inc()
+                logger.warning("dropped a malformed message from the engine channel: %s", self.codec.last_error)
+                continue
+            try:
+                self._route(msg)
+            except Exception:
+                self.metrics.rejected_messages.inc()
+                logger.exception("dropped an engine message that could not be routed")
+
+    def _route(self, msg: TokenBatch | EngineStats) -> None:
+        if isinstance(msg, EngineStats):
+            if 0 <= msg.dp_rank < len(self._to_engine):
                 self.stats[msg.dp_rank] = msg
                 self.metrics.update_engine(list(self.stats.values()))
-                continue
-            for out in msg:
-                req = self._requests.get(out.rid)
-                if req is not None:
-                    req.queue.put_nowait(out)
+            return
+        for out in msg.outputs:
+            req = self._requests.get(out.rid)
+            if req is not None:
+                req.queue.put_nowait(out)
+
+    def _reader_ended(self, task: asyncio.Task) -> None:
+        """The reader must live as long as the server: if it ever ends, fail loudly, not silently."""
+        if not task.cancelled() and not self.dead:
+            reason = f"the engine channel reader stopped: {task.exception()!r}"
+            logger.error(reason)
+            self.fail_all(reason)
 
     def fail_all(self, reason: str) -> None:
         """The engine died: end every waiting request with an error."""
         self.dead = reason
         for req in list(self._requests.values()):
-            req.queue.put_nowait(TokenOutput(req.rid, [], finish_reason="error", error=reason))
+            req.queue.put_nowait(TokenOutput(req.rid, [], finish_reason="error", error=reason, error_status=503))
 
     async def shutdown(self) -> None:
         if not self.dead:  # a PUSH socket with no peer would wait forever
@@ -204,4 +288,5 @@ class EngineClient:
         for sock in self._to_engine:
             sock.close(linger=100)
         self._from_engine.close(linger=0)
+        self.channel.stop()
         self.ctx.term()

@@ -34,17 +34,20 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     if par.node_rank > 0:
         return _serve_ranks_only(engine_config, addrs)
     tokenizer = load_tokenizer(engine_config.load.tokenizer_path or engine_config.load.model_path)
-    client = EngineClient(tokenizer, Metrics(server_config.served_model_name), addrs, par.load_balance_method,
-                          bind_all_interfaces=par.nnodes > 1)
-    ranks = RankProcesses(engine_config, addrs)
+    client = EngineClient(tokenizer, Metrics(server_config.served_model_name), addrs, par.load_balance_method)
+    logger.info("engine channel: %s (CURVE-authenticated)", ", ".join([addrs.output, *addrs.inputs]))
     state: ServerState | None = None
     try:
-        info = ranks.wait_ready()
-        state = ServerState(client, tokenizer, engine_config, server_config, kv_capacity=info["max_total_tokens"])
-        _http_server(state, ranks).run()
+        ranks = RankProcesses(engine_config, addrs)
+        try:
+            info = ranks.wait_ready()
+            state = ServerState(client, tokenizer, engine_config, server_config, kv_capacity=info["max_total_tokens"])
+            _http_server(state, ranks).run()
+        finally:
+            ranks.stop()
     finally:
-        ranks.stop()
         client.close()
+        addrs.cleanup()
     return 1 if state is None or state.failure else 0
 
 

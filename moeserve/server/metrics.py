@@ -35,6 +35,14 @@ class Metrics:
         self.ttft = histogram("moeserve:time_to_first_token_seconds", "time to first token").labels(**labels)
         self.itl = histogram("moeserve:inter_token_latency_seconds", "time between tokens").labels(**labels)
         self.e2e = histogram("moeserve:e2e_request_latency_seconds", "request latency").labels(**labels)
+        self.rejected_messages = Counter("moeserve:rejected_messages", "malformed messages dropped by the API "
+                                         "process's engine channel", list(labels), registry=reg).labels(**labels)
+        self.engine_rejected_messages = gauge("moeserve:engine_rejected_messages",
+                                              "malformed messages dropped by the engine ranks").labels(**labels)
+        self.refused_peers = gauge("moeserve:refused_peers",
+                                   "ZMQ peers refused at the handshake (unknown key)").labels(**labels)
+        self.refused_requests = Counter("moeserve:refused_requests", "HTTP requests refused before reaching the "
+                                        "engine", [*labels, "reason"], registry=reg)
         self._labels = labels
 
     def update_engine(self, stats: list[EngineStats]) -> None:
@@ -43,6 +51,10 @@ class Metrics:
         self.num_queued.set(sum(s.num_waiting for s in stats))
         self.pages_used.set(sum(s.pages_used for s in stats))
         self.pages_total.set(sum(s.pages_total for s in stats))
+        self.engine_rejected_messages.set(sum(s.rejected_messages for s in stats))
+
+    def refused(self, reason: str) -> None:
+        self.refused_requests.labels(**self._labels, reason=reason).inc()
 
     def finished(self, reason: str) -> None:
         self.requests.labels(**self._labels, finish_reason=reason).inc()

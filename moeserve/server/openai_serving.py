@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moeserve.core import SamplingParams, TokenLogprob
-from moeserve.server.engine_client import Chunk
+from moeserve.server.engine_client import Chunk, Ticket
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ class Job:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    ticket: Ticket | None = None  # the queue places of the HTTP request this job belongs to
 
 
 @dataclass
@@ -55,16 +56,20 @@ def _params(state: ServerState, body: Any, ids: list[int], max_tokens: int | Non
 
 
 # ---- building jobs -------------------------------------------------------------------------
-def completion_jobs(state: ServerState, body: CompletionRequest) -> list[Job]:
+def completion_places(body: CompletionRequest) -> int:
+    """How many engine requests a completion request makes (prompts x n), counted before tokenizing."""
+    return len(_prompt_list(body.prompt)) * body.n
+
+
+async def completion_jobs(state: ServerState, body: CompletionRequest, ticket: Ticket) -> list[Job]:
     if body.echo:
         raise _api_error("echo is not supported")
-    prompts = _prompt_list(body.prompt)
     jobs = []
-    for p_index, prompt in enumerate(prompts):
-        ids = state.encode(prompt)
+    for p_index, prompt in enumerate(_prompt_list(body.prompt)):
+        ids = await state.encode(prompt)
         for choice in range(body.n):
             params = _params(state, body, ids, body.max_tokens, body.logprobs, choice)
-            jobs.append(Job(p_index * body.n + choice, p_index, ids, params))
+            jobs.append(Job(p_index * body.n + choice, p_index, ids, params, ticket))
     return jobs
 
 
@@ -78,26 +83,22 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def chat_jobs(state: ServerState, body: ChatCompletionRequest) -> list[Job]:
+async def chat_jobs(state: ServerState, body: ChatCompletionRequest, ticket: Ticket) -> list[Job]:
     if state.tokenizer is None:
         raise _api_error("this model has no tokenizer, so it has no chat template")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        ids = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as exc:
-        raise _api_error(str(exc)) from exc
+    ids = await state.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return [Job(c, 0, ids, _params(state, body, ids, max_tokens, logprobs, c)) for c in range(body.n)]
+    return [Job(c, 0, ids, _params(state, body, ids, max_tokens, logprobs, c), ticket) for c in range(body.n)]
 
 
 _NATIVE_NAMES = {"max_new_tokens": "max_tokens"}
 
 
-def native_job(state: ServerState, body: GenerateRequest) -> tuple[list[int], SamplingParams]:
+async def native_job(state: ServerState, body: GenerateRequest, ticket: Ticket) -> Job:
     if (body.text is None) == (body.input_ids is None):
         raise _api_error("give exactly one of text and input_ids")
-    ids = state.encode(body.text if body.text is not None else body.input_ids)
+    ids = await state.encode(body.text if body.text is not None else body.input_ids)
     settings = {_NATIVE_NAMES.get(k, k): v for k, v in body.sampling_params.items()}
     settings.setdefault("max_tokens", 128)
     if body.return_logprob:
@@ -109,7 +110,7 @@ def native_job(state: ServerState, body: GenerateRequest) -> tuple[list[int], Sa
     except ValueError as exc:
         raise _api_error(f"sampling_params.{exc}") from exc
     state.check(ids, params)
-    return ids, params
+    return Job(0, 0, ids, params, ticket)
 
 
 # ---- running jobs --------------------------------------------------------------------------
@@ -130,7 +131,7 @@ def _add(result: Result, chunk: Chunk) -> None:
 
 async def run_all(state: ServerState, jobs: list[Job]) -> list[Result]:
     """Run every job concurrently; if one fails or the caller is cancelled, cancel the rest."""
-    tasks = [asyncio.ensure_future(collect(state.client.generate(j.prompt_ids, j.params))) for j in jobs]
+    tasks = [asyncio.ensure_future(collect(state.client.generate(j.prompt_ids, j.params, j.ticket))) for j in jobs]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -144,7 +145,7 @@ async def merged(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[Job
 
     async def pump(job: Job) -> None:
         try:
-            async for chunk in state.client.generate(job.prompt_ids, job.params):
+            async for chunk in state.client.generate(job.prompt_ids, job.params, job.ticket):
                 queue.put_nowait((job, chunk, None))
         except Exception as exc:
             queue.put_nowait((job, None, exc))
@@ -260,19 +261,15 @@ def _native_body(result: Result, started: float, rid: str, with_logprobs: bool) 
     return {"text": result.text, "output_ids": result.token_ids, "meta_info": meta}
 
 
-async def native_response(state: ServerState, body: GenerateRequest, ids: list[int],
-                          params: SamplingParams) -> dict[str, Any]:
+async def native_response(state: ServerState, body: GenerateRequest, job: Job) -> dict[str, Any]:
     started = time.monotonic()
-    result = await collect(state.client.generate(ids, params))
+    result = await collect(state.client.generate(job.prompt_ids, job.params, job.ticket))
     return _native_body(result, started, uuid.uuid4().hex, body.return_logprob)
 
 
-async def stream_native(state: ServerState, body: GenerateRequest, ids: list[int],
-                        params: SamplingParams) -> AsyncIterator[dict]:
+async def stream_native(state: ServerState, body: GenerateRequest, job: Job) -> AsyncIterator[dict]:
     """Like SGLang: every event carries the text and token ids so far."""
     started, rid, result = time.monotonic(), uuid.uuid4().hex, Result()
-    async for chunk in state.client.generate(ids, params):
+    async for chunk in state.client.generate(job.prompt_ids, job.params, job.ticket):
         _add(result, chunk)
         yield _native_body(result, started, rid, body.return_logprob)
-
-

@@ -42,7 +42,7 @@ class _SamplingFields(BaseModel):
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=None if self.seed is None else self.seed + choice,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty, stop=self.stop or [],
+            repetition_penalty=self.repetition_penalty, stop=[] if self.stop is None else self.stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -19,6 +20,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n: int, attempts: int = 64) -> int:
+    """A port ``p`` such that ``p .. p+n-1`` can all be bound now (a multi-node launch takes a run)."""
+    for _ in range(attempts):
+        base = free_port()
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError(f"no run of {n} free ports in {attempts} tries")
 
 
 def descendants(pid: int) -> list[int]:
@@ -116,3 +136,33 @@ def wait_for(predicate, timeout: float = 15, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def tcp_listeners(pids: list[int]) -> list[tuple[str, int]]:
+    """``(address, port)`` of every listening TCP socket the processes ``pids`` hold, from /proc."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN
+                    found.append(_proc_address(fields[1], family))
+    return found
+
+
+def _proc_address(field: str, family: int) -> tuple[str, int]:
+    hex_ip, hex_port = field.split(":")
+    raw = bytes.fromhex(hex_ip)
+    # /proc prints each 32-bit word in host (little-endian) order
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(family, raw), int(hex_port, 16)

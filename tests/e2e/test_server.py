@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 
 import httpx
 import openai
@@ -157,6 +158,23 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
     assert any(line.startswith("data: ") for line in got)
+    assert wait_for(lambda: _aborted(server) == aborted_before + 1)
+    assert wait_for(lambda: metric(server.base_url, "moeserve:kv_pages_used") == 0)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "a long one", "max_tokens": 400}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}),
+    ("/generate", {"text": "a long one", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}),
+])
+def test_client_disconnect_without_streaming_aborts_behind_the_api_key(server, path, body):
+    aborted_before = _aborted(server)
+    data = json.dumps({"model": "tiny", "temperature": 0, "ignore_eos": True, **body}).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(head.encode() + data)
+        assert wait_for(lambda: metric(server.base_url, "moeserve:num_running_reqs") == 1)
     assert wait_for(lambda: _aborted(server) == aborted_before + 1)
     assert wait_for(lambda: metric(server.base_url, "moeserve:kv_pages_used") == 0)
 

@@ -12,7 +12,7 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.models.tiny import make_tiny_model
-from tests.e2e.server_utils import alive, descendants, free_port, start_server, wait_for
+from tests.e2e.server_utils import alive, descendants, free_port_run, start_server, tcp_listeners, wait_for
 
 PROMPTS = ["The capital of", "abc", "Once upon a time there was", "zz"]
 
@@ -51,14 +51,26 @@ def test_dp_attention_ep_server_matches_single_rank(model_path, expected, tmp_pa
                         "shortest_queue"], str(tmp_path / "log"))
     try:
         assert _answers(srv.base_url) == expected
+        _assert_loopback_only(srv.proc.pid, http_port=srv.port)
     finally:
         assert srv.stop() == 0, srv.log()
 
 
+def _assert_loopback_only(pid: int, http_port: int | None = None) -> None:
+    """Every TCP socket the process tree listens on is on 127.0.0.1 (the default address)."""
+    listeners = tcp_listeners([pid, *descendants(pid)])
+    assert listeners and all(addr == "127.0.0.1" for addr, _ in listeners), listeners
+    if http_port is not None:
+        assert ("127.0.0.1", http_port) in listeners
+
+
 def test_two_nodes_on_loopback_match_single_rank(model_path, expected, tmp_path):
-    dist_addr = f"127.0.0.1:{free_port()}"
+    dist_addr = f"127.0.0.1:{free_port_run(4)}"  # the store, the output and two DP inputs
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
     layout = ["--tp-size", "4", "--dp-size", "2", "--enable-dp-attention", "--moe-a2a-backend", "torch",
-              "--moe-dense-tp-size", "2", "--nnodes", "2", "--dist-init-addr", dist_addr]
+              "--moe-dense-tp-size", "2", "--nnodes", "2", "--dist-init-addr", dist_addr,
+              "--dist-secret-file", str(secret)]
     log1 = open(tmp_path / "node1.log", "w")
     node1 = subprocess.Popen([sys.executable, "-m", "moeserve.server.cli", "serve", "--model-path", model_path,
                               *COMMON, *layout, "--node-rank", "1"], stdout=log1, stderr=subprocess.STDOUT)
@@ -67,6 +79,8 @@ def test_two_nodes_on_loopback_match_single_rank(model_path, expected, tmp_path)
                            str(tmp_path / "node0.log"))
         try:
             assert _answers(srv.base_url) == expected
+            _assert_loopback_only(srv.proc.pid, http_port=srv.port)
+            _assert_loopback_only(node1.pid)
         finally:
             assert srv.stop() == 0, srv.log()
         node1.send_signal(signal.SIGTERM)

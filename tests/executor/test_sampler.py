@@ -383,3 +383,42 @@ def test_cuda_matches_cpu() -> None:
         if a is not None and b is not None:
             assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 1e-300), ("top_p", 1e-300),
+                                          ("repetition_penalty", 1e-300), ("repetition_penalty", 1e300)])
+def test_values_past_validation_still_give_a_token(field: str, value: float) -> None:
+    """Float32 turns these into 0 or inf; the sampler must still pick a valid token (the argmax
+    where the value means 'almost greedy'), never index -1 or NaN."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 5
+    infos = [make_info(prompt_ids=[1, 2, 3], temperature=1.0) for _ in range(3)]
+    for info in infos:
+        object.__setattr__(info.params, field, value)  # as if a caller skipped validation
+    out = Sampler().sample(logits, infos)
+    assert all(0 <= t < 50 for t in out.next_ids)
+    if field == "top_p":
+        assert out.next_ids == logits.argmax(-1).tolist()
+
+
+def test_a_row_of_minus_infinity_still_gives_a_token() -> None:
+    logits = torch.randn(2, 20)
+    logits[1] = float("-inf")
+    infos = [make_info(temperature=1.0, repetition_penalty=1.5, prompt_ids=[3]) for _ in range(2)]
+    assert all(0 <= t < 20 for t in Sampler().sample(logits, infos).next_ids)
+
+
+def test_sample_isolated_reports_failing_rows_and_samples_the_rest() -> None:
+    logits = torch.randn(3, 20)
+    infos = [make_info(temperature=0), make_info(temperature=0), make_info(temperature=0)]
+
+    class Broken(Sampler):
+        def sample(self, logits, infos):
+            if any(i is infos_bad for i in infos):
+                raise RuntimeError("boom")
+            return super().sample(logits, infos)
+
+    infos_bad = infos[1]
+    out = Broken().sample_isolated(logits, infos)
+    assert list(out.errors) == [1] and "boom" in out.errors[1]
+    assert out.next_ids[0] == int(logits[0].argmax()) and out.next_ids[2] == int(logits[2].argmax())

@@ -1,32 +1,48 @@
-"""Where engine ranks listen when no --dist-init-addr is given."""
+"""Where engine ranks listen: a private directory on one node, the operator's host across nodes."""
 
-import socket
+import os
+import stat
+
+import pytest
 
 from moeserve.config import ParallelConfig
-from moeserve.scheduler import ranks
-from moeserve.scheduler.ranks import RankAddresses, free_port_run
+from moeserve.scheduler.ranks import RankAddresses
 
 
-def _ports(addrs: RankAddresses) -> list[int]:
-    return [int(a.rsplit(":", 1)[1]) for a in (addrs.dist_init, addrs.output, *addrs.inputs)]
-
-
-def test_derived_ports_are_one_free_run():
+def test_one_node_uses_ipc_in_a_private_directory():
     addrs = RankAddresses.derive(ParallelConfig(tp_size=4, dp_size=4, enable_dp_attention=True))
-    ports = _ports(addrs)
-    assert ports == list(range(ports[0], ports[0] + 6))
-    for port in ports:  # all of them can still be bound
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))
+    try:
+        mode = os.stat(addrs.run_dir).st_mode
+        assert stat.S_IMODE(mode) == 0o700
+        paths = [addrs.output, *addrs.inputs]
+        assert len(paths) == 5 and all(p.startswith(f"ipc://{addrs.run_dir}/") for p in paths)
+        assert addrs.store == f"file://{addrs.run_dir}/store"
+        other = RankAddresses.derive(ParallelConfig(tp_size=2))
+        assert other.keys != addrs.keys  # a new launch, new keys
+        other.cleanup()
+    finally:
+        addrs.cleanup()
+    assert not os.path.exists(addrs.run_dir)
 
 
-def test_a_run_with_a_taken_neighbour_is_skipped(monkeypatch):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        busy = taken.getsockname()[1] - 1  # a free port whose neighbour is in use
-        candidates = iter([busy, ranks.free_port()])
-        monkeypatch.setattr(ranks, "free_port", lambda: next(candidates))
-        base = free_port_run(3)
-        assert base != busy
-        assert not base <= taken.getsockname()[1] < base + 3
+def test_several_nodes_derive_ports_on_the_chosen_host_and_keys_from_the_secret(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    par = ParallelConfig(tp_size=4, dp_size=2, enable_dp_attention=True, nnodes=2, dist_init_addr="10.1.2.3:5000",
+                         dist_secret_file=str(secret))
+    node0, node1 = RankAddresses.derive(par), RankAddresses.derive(par)
+    assert node0.store == "tcp://10.1.2.3:5000" and node0.output == "tcp://10.1.2.3:5001"
+    assert node0.inputs == ("tcp://10.1.2.3:5002", "tcp://10.1.2.3:5003")
+    assert node0.keys == node1.keys and node0.run_dir is None
+    secret.write_bytes(os.urandom(32))
+    assert RankAddresses.derive(par).keys != node0.keys
+
+
+def test_several_nodes_need_a_long_enough_secret(tmp_path):
+    with pytest.raises(ValueError, match="dist_secret_file"):
+        ParallelConfig(tp_size=2, nnodes=2, dist_init_addr="127.0.0.1:5000")
+    short = tmp_path / "short"
+    short.write_bytes(b"abc")
+    par = ParallelConfig(tp_size=2, nnodes=2, dist_init_addr="127.0.0.1:5000", dist_secret_file=str(short))
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        RankAddresses.derive(par)

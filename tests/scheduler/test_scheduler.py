@@ -130,3 +130,51 @@ def test_bad_requests_are_refused_with_a_clear_error(v3_path, prompt, params, fi
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+class _FailsOnSeed:
+    """A sampler that cannot sample rows whose request has seed 666 (any per-request bug)."""
+
+    def __init__(self, sampler) -> None:
+        self.inner = sampler
+
+    def sample(self, logits, infos):
+        if any(info.params.seed == 666 for info in infos):
+            raise RuntimeError("cannot sample this row")
+        return self.inner.sample(logits, infos)
+
+    def sample_isolated(self, logits, infos):
+        return type(self.inner).sample_isolated(self, logits, infos)
+
+
+def test_a_request_that_breaks_the_sampler_fails_alone(v3_path, reference):
+    llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=1024, chunked_prefill_size=16)
+    llm.scheduler.sampler = _FailsOnSeed(llm.scheduler.sampler)
+    prompts = _prompts([12, 30, 7, 19, 25, 10])
+    bad = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, seed=666)
+    outs = llm.generate(prompts, [GREEDY, GREEDY, bad, GREEDY, GREEDY, GREEDY], use_tqdm=False)
+    assert outs[2].finish_reason == "error" and outs[2].token_ids == []
+    assert [o.token_ids for i, o in enumerate(outs) if i != 2] == [r.token_ids for i, r in enumerate(reference)
+                                                                   if i != 2]
+    pool = llm.runner.page_pool
+    assert pool.num_used == 0 and not llm.scheduler.has_work
+    assert llm.generate([prompts[2]], GREEDY, use_tqdm=False)[0].token_ids == reference[2].token_ids
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=1e30), "temperature"),
+    (dict(top_k=-5), "top_k"),
+    (dict(repetition_penalty=1e-300), "repetition_penalty"),
+    (dict(stop=[f"s{i}" for i in range(17)]), "stop"),
+    (dict(stop=[""]), "stop"),
+    (dict(seed=2**64), "seed"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+])
+def test_values_the_sampler_cannot_use_are_refused(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_vanishing_temperature_means_greedy():
+    assert SamplingParams(temperature=1e-300).greedy and SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=0.01).greedy

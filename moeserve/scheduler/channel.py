@@ -1,0 +1,104 @@
+"""Authenticated ZMQ sockets between the API process and the engine ranks.
+
+The process that binds (the API process, or the offline ``LLM``) is a CURVE server; the ranks
+connect as CURVE clients. Both sides hold keys made for this launch: a peer without the client
+key cannot complete the handshake, so it can neither read requests nor push outputs, and all
+traffic is encrypted. On one node the keys are random and reach the ranks through the spawn
+pipe; across nodes every node derives the same keys from a secret file the operator shares.
+Decoding (``io.Codec``) is the second guard: a message that passes the handshake still has to
+match its schema.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import threading
+from dataclasses import dataclass
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from moeserve.scheduler.io import MAX_MESSAGE_BYTES
+
+logger = logging.getLogger(__name__)
+ZAP_DOMAIN = "moeserve"
+
+
+@dataclass(frozen=True)
+class ChannelKeys:
+    """CURVE keys (Z85 text) of one launch: the binding side's pair and the ranks' pair."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def generate(cls) -> ChannelKeys:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public, server_secret, client_public, client_secret)
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> ChannelKeys:
+        """The same keys on every node that reads the same secret."""
+        if len(secret) < 16:
+            raise ValueError("the shared secret must have at least 16 bytes")
+        server_secret = zmq.utils.z85.encode(hmac.new(secret, b"moeserve-server", hashlib.sha256).digest())
+        client_secret = zmq.utils.z85.encode(hmac.new(secret, b"moeserve-client", hashlib.sha256).digest())
+        return cls(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret)
+
+
+class Refusals:
+    """The ZAP handler's verdict on each connecting peer: only the launch's client key passes."""
+
+    def __init__(self, allowed: bytes) -> None:
+        self.allowed = allowed
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = hmac.compare_digest(key, self.allowed)
+        if not ok:
+            with self._lock:
+                self.count += 1
+            logger.warning("refused a ZMQ peer with an unknown key")
+        return ok
+
+
+class ServerSide:
+    """Binds sockets of one ZMQ context as CURVE servers, with a ZAP handler thread that admits
+    only the launch's client key. A context of ``zmq.asyncio`` works too (the handler runs on a
+    synchronous shadow of it)."""
+
+    def __init__(self, ctx: zmq.Context, keys: ChannelKeys) -> None:
+        self.ctx, self.keys = ctx, keys
+        self.refusals = Refusals(keys.client_public)
+        self._auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
+        self._auth.start()
+        self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self.refusals)
+
+    def bind(self, kind: int, addr: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = self.keys.server_public, self.keys.server_secret
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP verdict, no connection
+        sock.maxmsgsize = MAX_MESSAGE_BYTES
+        sock.bind(addr)
+        return sock
+
+    def stop(self) -> None:
+        self._auth.stop()
+
+
+def connect(ctx: zmq.Context, kind: int, addr: str, keys: ChannelKeys) -> zmq.Socket:
+    """A CURVE client socket that trusts only the launch's server key."""
+    sock = ctx.socket(kind)
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey, sock.curve_secretkey = keys.client_public, keys.client_secret
+    sock.maxmsgsize = MAX_MESSAGE_BYTES
+    sock.connect(addr)
+    return sock

@@ -1,0 +1,37 @@
+"""Request validation that needs no model: the API process runs it before a response starts
+(so it imports neither the executor nor torch's model code), the scheduler again on arrival."""
+
+from __future__ import annotations
+
+from moeserve.config import EngineConfig
+from moeserve.core import SamplingParams
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, config: EngineConfig, kv_capacity: int,
+                  has_tokenizer: bool) -> None:
+    """Raise ValueError naming the problem when a request can never run.
+
+    The API process calls this too, so bad input is refused before a response starts streaming.
+    """
+    params.validate()
+    if params.stop and not has_tokenizer:
+        raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    context = config.context_length
+    if len(prompt_ids) >= context:
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens, the context length is {context}")
+    if len(prompt_ids) + params.max_tokens > context:
+        raise ValueError(f"max_tokens ({params.max_tokens}) plus the prompt ({len(prompt_ids)} tokens) "
+                         f"exceeds the context length {context}")
+    if len(prompt_ids) + params.max_tokens > kv_capacity:
+        raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                         f"can never fit in the KV cache of {kv_capacity} tokens")
+    # after the length checks, so a huge prompt is refused before it is scanned
+    vocab = config.model.vocab_size
+    bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+    bad = [t for t in params.stop_token_ids if t >= vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad[:5]}")
