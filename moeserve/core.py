@@ -126,6 +126,26 @@ class TokenLogprob:
 
 
 @dataclass
+class BootstrapInfo:
+    """The other side of a disaggregated request: the prefill server's bootstrap address and the
+    request's room, a random 63-bit id both servers know it by (the router picks all three)."""
+
+    host: str
+    port: int
+    room: int
+    prefill_dp_rank: int | None = None  # the prefill DP group that computes it (default: room mod dp)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.room, int) and 0 <= self.room < 2**63):
+            raise ValueError(f"bootstrap_room must be an integer in [0, 2**63), got {self.room!r}")
+        if not (isinstance(self.port, int) and 0 < self.port < 65536):
+            raise ValueError(f"bootstrap_port must be a port number, got {self.port!r}")
+        if self.prefill_dp_rank is not None and not (isinstance(self.prefill_dp_rank, int)
+                                                     and self.prefill_dp_rank >= 0):
+            raise ValueError(f"prefill_dp_rank must be a non-negative integer, got {self.prefill_dp_rank!r}")
+
+
+@dataclass
 class Req:
     """One request as the scheduler sees it.
 
@@ -147,6 +167,7 @@ class Req:
     text: str = ""
     generator: torch.Generator | None = None
     num_retractions: int = 0
+    bootstrap: BootstrapInfo | None = None  # set on both servers of a disaggregated request
 
     @property
     def fill_ids(self) -> list[int]:

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from moeserve.cache import PagePool
 from moeserve.core import ForwardMode, Req, SamplingParams, ScheduleBatch, ScheduledSeq
 from moeserve.executor.model_runner import ModelRunner
+
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pool_of(runner: ModelRunner) -> PagePool:
+    """The page allocator of a runner driven without a scheduler (one per runner)."""
+    if runner not in _POOLS:
+        _POOLS[runner] = runner.new_page_pool()
+    return _POOLS[runner]
 
 
 def new_req(runner: ModelRunner, ids: list[int], rid: str = "r") -> Req:
     """A request holding enough pages for all of ``ids``."""
     req = Req(rid, list(ids), SamplingParams(max_tokens=1))
-    req.page_table = runner.page_pool.alloc(runner.page_pool.pages_for(len(ids)))
+    pool = pool_of(runner)
+    req.page_table = pool.alloc(pool.pages_for(len(ids)))
     return req
 
 

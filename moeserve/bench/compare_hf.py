@@ -208,11 +208,12 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def same_logits_error(runner: ModelRunner, hf: nn.Module, prompts: list[list[int]]) -> float:
     """Relative L2 distance of the two engines' last-token logits after prefilling ``prompts``."""
-    reqs = admit(runner, prompts, 1)
+    pool = runner.new_page_pool()
+    reqs = admit(pool, prompts, 1)
     try:
         ours = runner.forward(ScheduleBatch(ForwardMode.EXTEND, [ScheduledSeq(r, 0, r.seq_len) for r in reqs]))
     finally:
-        release(runner, reqs)
+        release(pool, reqs)
     with torch.inference_mode():
         ids = torch.tensor(prompts, device=ours.device)
         theirs = hf(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()

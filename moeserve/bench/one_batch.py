@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.cache import PagePool
 from moeserve.config import EngineConfig, build_engine_config, default_page_size, engine_config_for
 from moeserve.core import ForwardMode, Req, SamplingParams, ScheduleBatch, ScheduledSeq
 from moeserve.executor.model_runner import ModelRunner
@@ -117,14 +118,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def admit(runner: ModelRunner, prompts: list[list[int]], output_len: int) -> list[Req]:
-    """Requests holding pages for their prompt and ``output_len`` tokens; all or none."""
-    pool, reqs = runner.page_pool, []
+def admit(pool: PagePool, prompts: list[list[int]], output_len: int) -> list[Req]:
+    """Requests holding pages of ``pool`` for their prompt and ``output_len`` tokens; all or none."""
+    reqs = []
     for i, ids in enumerate(prompts):
         req = Req(f"bench-{i}", list(ids), SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
         pages = pool.alloc(pool.pages_for(len(ids) + output_len))
         if pages is None:
-            release(runner, reqs)
+            release(pool, reqs)
             need = len(prompts) * pool.pages_for(len(ids) + output_len) * pool.page_size
             raise ValueError(f"the KV cache holds {pool.capacity * pool.page_size} tokens; {len(prompts)} requests "
                              f"of {len(ids)} + {output_len} tokens need {need} (raise --max-total-tokens)")
@@ -133,9 +134,9 @@ def admit(runner: ModelRunner, prompts: list[list[int]], output_len: int) -> lis
     return reqs
 
 
-def release(runner: ModelRunner, reqs: list[Req]) -> None:
+def release(pool: PagePool, reqs: list[Req]) -> None:
     for req in reqs:
-        runner.page_pool.free(req.page_table)
+        pool.free(req.page_table)
         req.page_table = []
         req.kv_len = 0
 
@@ -198,15 +199,18 @@ class Pass:
     tokens: list[list[int]]
 
 
-def run_pass(runner: ModelRunner, prompts: list[list[int]], output_len: int, max_prefill_tokens: int) -> Pass:
-    """Prefill, then ``output_len - 1`` decode steps; the pages are given back at the end."""
+def run_pass(runner: ModelRunner, prompts: list[list[int]], output_len: int, max_prefill_tokens: int,
+             pool: PagePool | None = None) -> Pass:
+    """Prefill, then ``output_len - 1`` decode steps; the pages (of ``pool``, or of a new
+    allocator over the runner's cache) are given back at the end."""
     device = torch.device(runner.config.load.device)
-    reqs = admit(runner, prompts, output_len)
+    pool = pool or runner.new_page_pool()
+    reqs = admit(pool, prompts, output_len)
     try:
         prefill_s = prefill(runner, reqs, max_prefill_tokens, device)
         steps = [decode_step(runner, reqs, device) for _ in range(output_len - 1)]
     finally:
-        release(runner, reqs)
+        release(pool, reqs)
     return Pass(prefill_s, steps, [r.output_ids for r in reqs])
 
 
@@ -271,14 +275,13 @@ def bench_one_batch(runner: ModelRunner, batch_size: int, input_len: int, output
     timed = run_pass(runner, prompts, output_len, max_prefill_tokens)
     peak = torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None
     step = statistics.median(timed.step_s) if timed.step_s else None
-    pool = runner.page_pool
     return OneBatchResult(
         batch_size=batch_size, input_len=input_len, output_len=output_len,
         prefill_s=timed.prefill_s, prefill_tok_s=batch_size * input_len / timed.prefill_s,
         decode_step_ms=None if step is None else step * 1e3,
         decode_tok_s=None if step is None else batch_size / step,
         decode_steps=len(timed.step_s), peak_memory_gb=peak, weights_gb=weights_bytes(runner) / GB,
-        kv_cache_tokens=pool.capacity * pool.page_size,
+        kv_cache_tokens=runner.max_total_tokens,
         tokens_match_warmup=None if first is None else first.tokens == timed.tokens,
     )
 

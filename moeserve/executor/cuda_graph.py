@@ -55,7 +55,7 @@ class CudaGraphRunner:
             out_cache_loc=self.out_cache_loc[:bs], prefix_lens=self.prefix_lens[:bs],
             extend_lens=self.extend_lens[:bs], kv_indptr=self.kv_indptr[:bs + 1], kv_indices=self.kv_indices,
             prefix_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, kv_pool=self.runner.kv_pool,
-            page_size=self.runner.page_pool.page_size,  # the padding slot is token 0 of page 0
+            page_size=self.runner.page_size,  # the padding slot is token 0 of page 0
         )
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:

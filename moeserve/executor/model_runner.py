@@ -59,12 +59,19 @@ class ModelRunner:
         page_size = cache_cfg.page_size
         tokens = cache_cfg.max_total_tokens or kv_capacity_tokens(
             self._kv_budget_bytes(), model_cfg.num_layers, model_cfg.kv_cache_dim, self.dtype)
-        num_pages = tokens // page_size + 1  # + the padding page
-        self.page_pool = PagePool(num_pages, page_size)
-        self.kv_pool = MLAKVPool(model_cfg.num_layers, num_pages * page_size, model_cfg.kv_lora_rank,
+        # pages of ``page_size`` slots, + the padding page 0; the scheduler's ``PagePool`` hands them out
+        self.num_pages, self.page_size = tokens // page_size + 1, page_size
+        if self.num_pages < 2:
+            raise ValueError(f"the KV cache needs at least 2 pages, got {self.num_pages}")
+        self.kv_pool = MLAKVPool(model_cfg.num_layers, self.num_pages * page_size, model_cfg.kv_lora_rank,
                                  model_cfg.qk_rope_head_dim, self.dtype, self.device)
-        self.max_total_tokens = self.page_pool.capacity * page_size
-        logger.info("KV cache: %d tokens in %d pages of %d", self.max_total_tokens, self.page_pool.capacity, page_size)
+        self.max_total_tokens = (self.num_pages - 1) * page_size
+        logger.info("KV cache: %d tokens in %d pages of %d", self.max_total_tokens, self.num_pages - 1, page_size)
+
+    def new_page_pool(self) -> PagePool:
+        """An allocator over this runner's KV pages: the scheduler's, or a benchmark's that drives
+        the runner directly."""
+        return PagePool(self.num_pages, self.page_size)
 
     def _init_cuda_graphs(self) -> CudaGraphRunner | None:
         """Decode graphs on CUDA for a single rank. With several ranks a step's shapes depend on
@@ -85,7 +92,7 @@ class ModelRunner:
         """Token ids, positions and cache slots of the scheduled sequences. Only the page tables
         cross to the device; the per-token slots are expanded there (a decode step of 128
         sequences of 2K tokens would otherwise spend milliseconds of host time on 262K slots)."""
-        seqs, page_size, dev = sched.seqs, self.page_pool.page_size, self.device
+        seqs, page_size, dev = sched.seqs, self.page_size, self.device
         starts = [s.start for s in seqs]
         ends = [s.end for s in seqs]
         extends = [e - b for b, e in zip(starts, ends)]

@@ -45,6 +45,7 @@ from moeserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
+PENDING_POLL_MS = 2  # nothing to compute, but transfers of the role to watch
 STATS_INTERVAL_S = 0.05
 
 
@@ -82,7 +83,7 @@ class EngineLoop:
         tokenizer = load_tokenizer(config.load.tokenizer_path or config.load.model_path)
         self.runner = ModelRunner(config, groups)
         self.scheduler = Scheduler(_with_dispatch_cap(config, groups), self.runner, tokenizer)
-        self.scheduler.sample_sync = self._share_samples
+        self._init_collectives()
         self.codec = Codec(EngineInput)
         self._peer_codec = Codec(list[EngineInput])  # messages the leader shares with its TP peers
         self._sample_codec = Codec(SampleOutput)
@@ -91,6 +92,27 @@ class EngineLoop:
         self._sent: dict[str, int] = {}  # rid -> output tokens already sent (the leader sends, so only it counts)
         self._steps, self._last_stats, self._busy = 0, 0.0, False
         self._parent = os.getppid()
+
+    def _init_collectives(self) -> None:
+        """What the scheduler must agree on with the other ranks, each step."""
+        par, sched = self.config.parallel, self.scheduler
+        sched.sample_sync = self._share_samples
+        sched.tp_min = self._tp_min
+
+        def agree_step(batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:
+            dp = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode, par.max_dispatch_tokens_per_rank)
+            return dp is not None, dp
+
+        sched.agree = agree_step
+
+    def _tp_min(self, values: list[int]) -> list[int]:
+        """The elementwise minimum of ``values`` over the attention-TP group (same length on every rank)."""
+        tp = self.groups.cpu_attn_tp
+        if tp.size == 1 or not values:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
+        return t.tolist()
 
     def _init_sockets(self, addrs: RankAddresses, dp_rank: int) -> None:
         ctx = zmq.Context.instance()
@@ -114,18 +136,12 @@ class EngineLoop:
                 return
 
     def _step(self) -> bool:
-        par = self.config.parallel
-        batch = self.scheduler.schedule()
-        dp = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode, par.max_dispatch_tokens_per_rank)
-        if dp is None:
-            return False
-        logits = self.runner.forward(batch, dp=dp)
-        if batch is not None:
-            reqs = self.scheduler.process(batch, logits)
-            if self.is_leader:
-                self._send_outputs(reqs)
-        self._steps += 1
-        return True
+        """One scheduler step; True when it ran a forward pass."""
+        reqs = self.scheduler.step()
+        if self.is_leader:
+            self._send_outputs(reqs)
+        self._steps += self.scheduler.ran_forward
+        return self.scheduler.ran_forward
 
     # ---- messages --------------------------------------------------------------------------
     def _receive(self) -> list[object]:
@@ -133,7 +149,8 @@ class EngineLoop:
 
         A message that does not decode to an engine input is dropped and counted.
         """
-        timeout = 0 if self._busy or self.scheduler.has_work else IDLE_POLL_MS
+        sched = self.scheduler
+        timeout = 0 if self._busy or sched.has_work else PENDING_POLL_MS if sched.role.num_pending else IDLE_POLL_MS
         msgs = []
         while self.poller.poll(timeout):
             msg = self.codec.decode(self.inputs.recv_multipart())
@@ -169,7 +186,7 @@ class EngineLoop:
             return
         assert isinstance(msg, GenerateInput)
         try:
-            self.scheduler.add_request(msg.rid, msg.prompt_ids, msg.params)
+            self.scheduler.add_request(msg.rid, msg.prompt_ids, msg.params, msg.bootstrap)
         except ValueError as exc:
             self._refuse(msg.rid, str(exc), 400)
             return
@@ -211,12 +228,13 @@ class EngineLoop:
         if now - self._last_stats < STATS_INTERVAL_S:
             return
         self._last_stats = now
-        q, pages = self.scheduler.queues, self.runner.page_pool
+        sched = self.scheduler
+        pages = sched.pages
         self._send(EngineStats(
-            num_running=len(q.running) + (q.chunked is not None), num_waiting=len(q.waiting),
-            pages_used=pages.num_used, pages_total=pages.capacity, page_size=pages.page_size,
-            retracted=self.scheduler.policy.retracted, generation_steps=self._steps, dp_rank=self.groups.dp_rank,
-            rejected_messages=self.codec.rejected,
+            num_running=len(sched.decode) + (sched.prefill.chunked is not None),
+            num_waiting=len(sched.prefill.waiting), pages_used=pages.num_used, pages_total=pages.capacity,
+            page_size=pages.page_size, retracted=sched.decode.retracted, generation_steps=self._steps,
+            dp_rank=self.groups.dp_rank, rejected_messages=self.codec.rejected,
         ))
 
 

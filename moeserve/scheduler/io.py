@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from moeserve.core import SamplingParams, TokenLogprob
+from moeserve.core import BootstrapInfo, SamplingParams, TokenLogprob
 
 # ZMQ drops larger messages before they are read: a request is at most a context of token ids
 MAX_MESSAGE_BYTES = 64 << 20
@@ -19,6 +19,7 @@ class GenerateInput(msgspec.Struct, tag="generate"):
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    bootstrap: BootstrapInfo | None = None  # the other side of a disaggregated request
 
 
 class AbortInput(msgspec.Struct, tag="abort"):

@@ -1,8 +1,7 @@
-"""The per-rank event loop: admit requests, schedule a batch, run it, apply the results."""
+"""The per-rank scheduler: admit requests, schedule a batch, run it, apply the results."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -10,10 +9,13 @@ from typing import Protocol
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.core import FinishReason, Req, SamplingParams, ScheduleBatch
+from moeserve.core import BootstrapInfo, DPInfo, FinishReason, Req, SamplingParams, ScheduleBatch
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.executor.sampler import SampleOutput, Sampler, SamplingInfo
-from moeserve.scheduler.policy import BatchPolicy, Queues
+from moeserve.scheduler.decode import DecodeManager
+from moeserve.scheduler.prefill import PrefillManager
+from moeserve.scheduler.requests import RequestTable, release_pages
+from moeserve.scheduler.roles import MixedRole, Role
 from moeserve.scheduler.validation import check_request
 
 logger = logging.getLogger(__name__)
@@ -24,40 +26,59 @@ class Detokenizer(Protocol):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Detokenizer | None = None) -> None:
+    """One rank's scheduler, composed of small parts that each release what they hold of an
+    aborted request: the request table, the page allocator, a prefill manager (admission and
+    chunking), a decode manager (running batch, retraction) and a role (where a request goes
+    next). ``step`` drives the offline ``LLM`` and the rank processes alike; the rank loop injects
+    only its collectives (``agree``, ``sample_sync``, ``tp_min``)."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Detokenizer | None = None,
+                 role: Role | None = None) -> None:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
         # the model's eos ids and the tokenizer's, which some checkpoints name differently
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(config.model.eos_token_ids) | ({tokenizer_eos} - {None})
-        self._init_queues()
-        self._init_policy()
+        self._init_parts()
+        self._init_role(role or MixedRole())
+        self._init_collectives()
         self.sampler = Sampler()
-        # ranks that share a batch must append the same tokens: the event loop replaces this with
-        # a broadcast from the group's first rank
+
+    def _init_parts(self) -> None:
+        self.requests = RequestTable()
+        self.pages = self.runner.new_page_pool()
+        self.prefill = PrefillManager(self.config.scheduler, self.pages)
+        self.decode = DecodeManager(self.pages, self.prefill)
+
+    def _init_role(self, role: Role) -> None:
+        self.role = role
+        role.bind(self)
+
+    def _init_collectives(self) -> None:
+        """One process alone: no peers to agree with. The rank loop replaces these."""
+        # (anyone has work, what every DP group runs): DP ranks run a step together
+        self.agree: Callable[[ScheduleBatch | None], tuple[bool, DPInfo | None]] = lambda b: (b is not None, None)
+        # ranks that share a batch must append the same tokens: the leader's
         self.sample_sync: Callable[[SampleOutput], SampleOutput] = lambda out: out
-
-    def _init_queues(self) -> None:
-        self.queues = Queues()
-        self.requests: dict[str, Req] = {}
-        self._arrivals = itertools.count()
-
-    def _init_policy(self) -> None:
-        self.pages = self.runner.page_pool
-        self.policy = BatchPolicy(self.config.scheduler, self.pages)
+        # ranks of an attention-TP group move a request on only when all of them see it ready
+        self.tp_min: Callable[[list[int]], list[int]] = lambda values: values
+        self.ran_forward = False
 
     # ---- requests in and out -------------------------------------------------------------
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Req:
-        """Queue a request; raises ValueError naming the problem when it can never run."""
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    bootstrap: BootstrapInfo | None = None) -> Req:
+        """Queue a request; raises ValueError naming the problem when it can never run.
+
+        ``bootstrap`` tells a PD role where the other side of the request is."""
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         self._validate(prompt_ids, params)
-        req = Req(rid, list(prompt_ids), params, arrival=next(self._arrivals))
+        req = Req(rid, list(prompt_ids), params, bootstrap=bootstrap)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
-        self.requests[rid] = req
-        self.queues.waiting.append(req)
+        self.requests.add(req)
+        self.role.admit(req)
         return req
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -65,34 +86,41 @@ class Scheduler:
 
     def abort(self, rid: str, message: str = "aborted") -> Req | None:
         """End a request wherever it is and free its pages; None if it is unknown or done."""
-        req = self.requests.pop(rid, None)
+        req = self.requests.pop(rid)
         if req is None:
             return None
-        q = self.queues
-        if req is q.chunked:
-            q.chunked = None
-        elif req in q.running:
-            q.running.remove(req)
-        elif req in q.waiting:
-            q.waiting.remove(req)
-        self.policy.release(req)
+        self.prefill.release(req) or self.decode.release(req)
+        if not self.role.release(req):
+            release_pages(self.pages, req)
         req.finish(FinishReason.ABORT, message)
         return req
 
     @property
     def has_work(self) -> bool:
-        return len(self.queues) > 0
+        """Compute to do: prompts to prefill or requests to decode."""
+        return len(self.prefill) + len(self.decode) > 0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one batch; return the requests that got a new token (finished ones included)."""
+        """Poll the role, schedule, agree with the peers, run, apply: the requests with news for
+        their client (a new token, a finish)."""
+        changed = self.role.poll()
         batch = self.schedule()
-        if batch is None:
-            return []
-        return self.process(batch, self.runner.forward(batch))
+        anyone, dp = self.agree(batch)
+        self.ran_forward = anyone
+        if anyone:
+            logits = self.runner.forward(batch, dp=dp)
+            if batch is not None:
+                changed += self.process(batch, logits)
+        return changed
 
     def schedule(self) -> ScheduleBatch | None:
-        return self.policy.next_batch(self.queues)
+        """Prefill when there is prompt work that fits, else decode everything running."""
+        return self.prefill.next_batch(len(self.decode)) or self.decode.next_batch()
 
     def process(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """Apply a batch's logits: sample, append, check stops, free what finished.
@@ -102,6 +130,8 @@ class Scheduler:
         """
         for seq in batch.seqs:
             seq.req.kv_len = seq.end
+            if not batch.mode.is_decode:
+                self.role.after_chunk(seq.req, seq.start, seq.end)
         done = [(i, s.req) for i, s in enumerate(batch.seqs) if s.completes_fill]
         if not done:
             return []
@@ -114,10 +144,10 @@ class Scheduler:
             req.output_ids.append(sampled.next_ids[k])
             if sampled.logprobs is not None and sampled.logprobs[k] is not None:
                 req.output_logprobs.append(sampled.logprobs[k])
-            if not batch.mode.is_decode:
-                self.queues.running.append(req)  # prefill done: decode from the next step on
+            decodes_on = batch.mode.is_decode or self.role.after_prefill(req)
             try:
-                self._check_finished(req)
+                if decodes_on:
+                    self.check_finished(req)
             except Exception as exc:  # detokenizing for a stop string, say
                 logger.exception("request %s failed after sampling", req.rid)
                 self.fail(req, f"{type(exc).__name__}: {exc}")
@@ -128,7 +158,9 @@ class Scheduler:
         if self.abort(req.rid) is not None:
             req.finish(FinishReason.ERROR, message)
 
-    def _check_finished(self, req: Req) -> None:
+    def check_finished(self, req: Req) -> None:
+        """Finish ``req`` if its last token is a stop token, its text holds a stop string, or it
+        reached ``max_tokens`` or the context length."""
         params, token = req.params, req.output_ids[-1]
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             self._finish(req, FinishReason.STOP, self._decode(req, req.output_ids[:-1]))
@@ -147,9 +179,8 @@ class Scheduler:
         return text[:min(hits)] if hits else None
 
     def _finish(self, req: Req, reason: FinishReason, text: str) -> None:
-        if req in self.queues.running:
-            self.queues.running.remove(req)
-        self.policy.release(req)
-        self.requests.pop(req.rid, None)
+        self.decode.release(req)
+        release_pages(self.pages, req)
+        self.requests.pop(req.rid)
         req.text = text
         req.finish(reason)

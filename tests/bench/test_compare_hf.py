@@ -47,12 +47,13 @@ def hf(runner):
 
 
 def all_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
-    reqs = admit(runner, prompts, 1)
+    pool = runner.new_page_pool()
+    reqs = admit(pool, prompts, 1)
     try:
         seqs = [ScheduledSeq(r, 0, r.seq_len) for r in reqs]
         return runner.forward(ScheduleBatch(ForwardMode.EXTEND, seqs), all_logits=True)
     finally:
-        release(runner, reqs)
+        release(pool, reqs)
 
 
 # --------------------------------------------------------------------------------- same weights

@@ -54,18 +54,20 @@ def test_prefill_chunks_cover_every_prompt_token_within_the_budget():
 
 def test_a_pass_gives_the_same_greedy_tokens_whether_prefill_is_split_or_not(runner):
     prompts = random_prompts(3, 13, runner.config.model.vocab_size, seed=4)
-    whole = run_pass(runner, prompts, output_len=4, max_prefill_tokens=1000)
-    split = run_pass(runner, prompts, output_len=4, max_prefill_tokens=5)
+    pool = runner.new_page_pool()
+    whole = run_pass(runner, prompts, output_len=4, max_prefill_tokens=1000, pool=pool)
+    split = run_pass(runner, prompts, output_len=4, max_prefill_tokens=5, pool=pool)
     assert whole.tokens == split.tokens and all(len(t) == 4 for t in whole.tokens)
     assert len(whole.step_s) == 3 and all(s > 0 for s in whole.step_s)
-    assert runner.page_pool.num_used == 0  # every page given back
+    assert pool.num_used == 0  # every page given back
 
 
 def test_admit_refuses_a_batch_the_kv_cache_cannot_hold(runner):
-    free = runner.page_pool.num_free
+    pool = runner.new_page_pool()
+    free = pool.num_free
     with pytest.raises(ValueError, match="KV cache holds"):
-        admit(runner, [[1] * 100] * 3, output_len=8)
-    assert runner.page_pool.num_free == free
+        admit(pool, [[1] * 100] * 3, output_len=8)
+    assert pool.num_free == free
 
 
 def test_bench_one_batch_reports_rates_from_its_timed_pass(runner):

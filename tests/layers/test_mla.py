@@ -7,7 +7,7 @@ import torch
 
 from moeserve.config import build_engine_config
 from moeserve.executor.model_runner import ModelRunner
-from tests.engine_utils import new_req, run_decode, run_extend
+from tests.engine_utils import new_req, pool_of, run_decode, run_extend
 
 PROMPT_LENS = (9, 16, 3)
 DECODE_STEPS = 6
@@ -33,7 +33,7 @@ def test_absorbed_decode_equals_expanded_recompute(hf_model_path, variant):
             fresh = new_req(runner, full[:n + step + 1], f"x{step}-{row}")
             expanded = run_extend(runner, fresh, 0, n + step + 1)[-1]
             torch.testing.assert_close(absorbed[row], expanded, rtol=1e-5, atol=1e-5)
-            runner.page_pool.free(fresh.page_table)
+            pool_of(runner).free(fresh.page_table)
 
 
 def test_batches_keep_the_page_promise_the_decode_kernels_rely_on(hf_model_path):
@@ -44,10 +44,10 @@ def test_batches_keep_the_page_promise_the_decode_kernels_rely_on(hf_model_path)
 
     runner = ModelRunner(build_engine_config(hf_model_path("v3", 0), dtype="float32", page_size=4,
                                              max_total_tokens=512))
-    page = runner.page_pool.page_size
+    page = runner.page_size
     spacer = new_req(runner, list(range(2, 7)), "spacer")  # later requests start mid-pool
     reqs = [new_req(runner, list(range(2, 2 + n)), f"r{n}") for n in (1, 4, 9, 14)]
-    runner.page_pool.free(spacer.page_table)
+    pool_of(runner).free(spacer.page_table)
     for req in reqs:
         req.kv_len = len(req.prompt_ids) - 1
     batch = runner.build_batch(ScheduleBatch(ForwardMode.DECODE,

@@ -60,4 +60,4 @@ def test_greedy_generation_matches_transformers(hf_model_path, variant, seed):
     for prompt, exp, out in zip(prompts, expected, outs):
         assert out.token_ids == exp, f"prompt of {len(prompt)} tokens"
         assert out.finish_reason == "length"
-    assert llm.runner.page_pool.num_free == llm.runner.page_pool.capacity
+    assert llm.scheduler.pages.num_free == llm.scheduler.pages.capacity

@@ -30,7 +30,7 @@ def _worker(rank: int, store: str, model_path: str, results: mp.Queue) -> None:
             loop._send = lambda msg: outputs.extend(msg.outputs if isinstance(msg, TokenBatch) else [])
         loop.run()
         finished = sorted(o.rid for o in outputs if o.finish_reason is not None)
-        results.put((rank, len(loop._sent), len(loop.scheduler.requests), loop.runner.page_pool.num_used,
+        results.put((rank, len(loop._sent), len(loop.scheduler.requests), loop.scheduler.pages.num_used,
                      finished))
     except Exception:
         results.put((rank, traceback.format_exc()))

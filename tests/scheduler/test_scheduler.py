@@ -32,9 +32,9 @@ def test_retraction_under_tiny_kv_budget_keeps_greedy_tokens(v3_path, reference)
     # 64 slots cannot hold six requests of 7..50 tokens at once: decode must retract some.
     llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=64, chunked_prefill_size=16)
     outs = llm.generate(_prompts([12, 30, 7, 19, 25, 10]), GREEDY, use_tqdm=False)
-    assert llm.scheduler.policy.retracted > 0
+    assert llm.scheduler.decode.retracted > 0
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
-    pool = llm.runner.page_pool
+    pool = llm.scheduler.pages
     assert pool.num_free == pool.capacity and pool.num_used == 0
 
 
@@ -54,14 +54,14 @@ def test_requests_joining_mid_run_get_the_same_tokens(v3_path, reference):
 def test_abort_anywhere_frees_every_page(v3_path):
     llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=96, chunked_prefill_size=8,
               max_running_requests=2)
-    sched, pool = llm.scheduler, llm.runner.page_pool
+    sched, pool = llm.scheduler, llm.scheduler.pages
     reqs = [sched.add_request(f"b{i}", p, GREEDY) for i, p in enumerate(_prompts([20, 9, 14, 30, 5]))]
     sched.step()  # b0 is mid-prefill (a chunk of 8 of 20)
-    assert sched.queues.chunked is reqs[0]
+    assert sched.prefill.chunked is reqs[0]
     sched.abort("b0")
     for _ in range(4):
         sched.step()
-    running = list(sched.queues.running)
+    running = list(sched.decode.running)
     assert running, "some request should be decoding"
     sched.abort(running[0].rid)
     sched.abort(reqs[-1].rid)  # still waiting
@@ -156,7 +156,7 @@ def test_a_request_that_breaks_the_sampler_fails_alone(v3_path, reference):
     assert outs[2].finish_reason == "error" and outs[2].token_ids == []
     assert [o.token_ids for i, o in enumerate(outs) if i != 2] == [r.token_ids for i, r in enumerate(reference)
                                                                    if i != 2]
-    pool = llm.runner.page_pool
+    pool = llm.scheduler.pages
     assert pool.num_used == 0 and not llm.scheduler.has_work
     assert llm.generate([prompts[2]], GREEDY, use_tqdm=False)[0].token_ids == reference[2].token_ids
 

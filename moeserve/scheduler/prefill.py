@@ -1,0 +1,86 @@
+"""The prefill manager: admission and chunking of prompt work (and of re-prefills after retraction)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from moeserve.cache import PagePool
+from moeserve.config import SchedulerConfig
+from moeserve.core import ForwardMode, Req, ReqStatus, ScheduleBatch, ScheduledSeq
+
+
+class PrefillManager:
+    """``waiting`` requests in order; ``chunked`` is the one whose prefill is split over steps.
+
+    It only decides and reserves pages; the scheduler runs the batch and the role decides where a
+    request goes once its prefill is done.
+    """
+
+    def __init__(self, config: SchedulerConfig, pages: PagePool) -> None:
+        self.config, self.pages = config, pages
+        self.waiting: deque[Req] = deque()
+        self.chunked: Req | None = None
+
+    def __len__(self) -> int:
+        return len(self.waiting) + (self.chunked is not None)
+
+    def add(self, req: Req, first: bool = False) -> None:
+        req.status = ReqStatus.WAITING
+        if first:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def release(self, req: Req) -> bool:
+        """Forget ``req`` if it is here (its pages stay with the caller); True if it was."""
+        if req is self.chunked:
+            self.chunked = None
+            return True
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return True
+        return False
+
+    def next_batch(self, num_running: int) -> ScheduleBatch | None:
+        """As much prompt work as the token budget, the running-request cap and the free pages
+        (keeping ``decode_reserve_tokens`` of headroom per running request) allow."""
+        budget, seqs = self._token_budget(), []
+        reserve = num_running * self.pages.pages_for(self.config.decode_reserve_tokens)
+        candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
+        for req in candidates:
+            if budget <= 0 or (req is not self.chunked
+                               and num_running + len(seqs) >= self.config.max_running_requests):
+                break
+            seq = self._plan_chunk(req, budget, reserve)
+            if seq is None:
+                break
+            seqs.append(seq)
+            budget -= seq.end - seq.start
+            if req is not self.chunked:
+                self.waiting.remove(req)
+            self.chunked = None if seq.completes_fill else req
+            if self.chunked is not None:
+                break  # one partially prefilled request at a time
+        return ScheduleBatch(ForwardMode.EXTEND, seqs) if seqs else None
+
+    def _token_budget(self) -> int:
+        cfg = self.config
+        return cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else cfg.max_prefill_tokens
+
+    def _plan_chunk(self, req: Req, budget: int, reserve: int) -> ScheduledSeq | None:
+        """Take as much of the request's unfilled tokens as the budget and free pages allow."""
+        start = req.kv_len
+        end = start + min(req.seq_len - start, budget)
+        if self.config.chunked_prefill_size <= 0:
+            end = req.seq_len  # no chunking: the whole prompt or nothing
+        free_for_req = self.pages.num_free - reserve
+        needed = self.pages.pages_for(end) - len(req.page_table)
+        if needed > free_for_req:
+            affordable = (len(req.page_table) + max(free_for_req, 0)) * self.pages.page_size
+            if self.config.chunked_prefill_size <= 0 or affordable <= start:
+                return None
+            end = min(end, affordable)
+            needed = self.pages.pages_for(end) - len(req.page_table)
+        req.page_table += self.pages.alloc(needed)
+        req.status = ReqStatus.RUNNING
+        return ScheduledSeq(req, start, end)

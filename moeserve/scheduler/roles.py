@@ -1,0 +1,63 @@
+"""Roles: where a request goes at each point of its life. The scheduler asks its role when a
+request arrives, once per step (``poll``), after each prefill chunk and after the prefill, and
+when a request is aborted. ``MixedRole`` is the monolithic server; the prefill and decode roles
+of disaggregated serving live in ``moeserve.disagg``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from moeserve.core import Req
+
+if TYPE_CHECKING:
+    from moeserve.scheduler.scheduler import Scheduler
+
+
+class Role:
+    """The defaults are the monolithic behaviour except for ``after_prefill``."""
+
+    name = "role"
+
+    def bind(self, sched: Scheduler) -> None:
+        self.sched = sched
+
+    def admit(self, req: Req) -> None:
+        """A new request: its prompt waits for prefill."""
+        self.sched.prefill.add(req)
+
+    def poll(self) -> list[Req]:
+        """Move requests along before the step is scheduled (PD: bootstrap, transfers); the
+        requests with news for their client (a first token, a finish)."""
+        return []
+
+    def after_chunk(self, req: Req, start: int, end: int) -> None:
+        """Tokens ``start:end`` of ``req`` are in the cache now."""
+
+    def after_prefill(self, req: Req) -> bool:
+        """``req`` finished its prefill and sampled its first token; True when the scheduler should
+        check its stop conditions (it decodes on here)."""
+        raise NotImplementedError
+
+    def release(self, req: Req) -> bool:
+        """``req`` is aborted: drop what the role holds of it. True when the role keeps its pages
+        to free them itself later (a transfer may still be touching them)."""
+        return False
+
+    @property
+    def num_pending(self) -> int:
+        """Requests only the role holds (waiting for a peer or a transfer)."""
+        return 0
+
+    def stats(self) -> dict[str, int]:
+        """Requests per queue of the role, for metrics."""
+        return {}
+
+
+class MixedRole(Role):
+    """One server does both: after its prefill a request joins the running decode batch."""
+
+    name = "mixed"
+
+    def after_prefill(self, req: Req) -> bool:
+        self.sched.decode.add(req)
+        return True
