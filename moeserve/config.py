@@ -308,6 +308,40 @@ class ParallelConfig:
         return self.tp_size // self.nnodes
 
 
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("nixl", "mooncake", "torch", "fake")  # disagg.transfer.base's registry has each
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation, with SGLang's flag names. ``bootstrap_host`` is where this
+    server's own bootstrap server listens (set by the launcher from ``--host``)."""
+
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "torch"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_ib_device: str | None = None
+    disaggregation_host: str = "127.0.0.1"  # where this server's side channels and data paths listen
+    disaggregation_secret_file: str | None = None  # default: ~/.config/moeserve/pd_secret, made on first use
+    bootstrap_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        _require(self.disaggregation_mode in DISAGGREGATION_MODES, "disaggregation_mode",
+                 f"must be one of {DISAGGREGATION_MODES}")
+        _require(self.disaggregation_transfer_backend in TRANSFER_BACKENDS, "disaggregation_transfer_backend",
+                 f"must be one of {TRANSFER_BACKENDS}")
+        _require(0 < self.disaggregation_bootstrap_port < 65536, "disaggregation_bootstrap_port", "must be a port")
+
+    @property
+    def enabled(self) -> bool:
+        return self.disaggregation_mode != "null"
+
+    @property
+    def secret_path(self) -> str:
+        return self.disaggregation_secret_file or os.path.join(os.path.expanduser("~"), ".config", "moeserve",
+                                                               "pd_secret")
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """How the model runner executes: decode batches replay CUDA graphs captured per batch size."""
@@ -338,6 +372,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     @property
     def context_length(self) -> int:
@@ -353,7 +388,7 @@ def default_page_size(device: str) -> int:
 
 
 _SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-             "runner": RunnerConfig}
+             "runner": RunnerConfig, "disagg": DisaggConfig}
 
 
 def build_engine_config(model_path: str | None = None, **settings: Any) -> EngineConfig:
@@ -382,4 +417,5 @@ def engine_config_for(model: ModelConfig, model_path: str | None = None, **setti
         model=model, load=load,
         cache=CacheConfig(**by_section["cache"]), scheduler=SchedulerConfig(**by_section["scheduler"]),
         parallel=ParallelConfig(**by_section["parallel"]), runner=RunnerConfig(**by_section["runner"]),
+        disagg=DisaggConfig(**by_section["disagg"]),
     )

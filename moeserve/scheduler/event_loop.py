@@ -41,6 +41,7 @@ from moeserve.scheduler.io import (
     TokenOutput,
 )
 from moeserve.scheduler.ranks import RankAddresses
+from moeserve.scheduler.roles import make_role
 from moeserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ class EngineLoop:
         self.is_leader = groups.attn_tp.first
         tokenizer = load_tokenizer(config.load.tokenizer_path or config.load.model_path)
         self.runner = ModelRunner(config, groups)
-        self.scheduler = Scheduler(_with_dispatch_cap(config, groups), self.runner, tokenizer)
+        role = make_role(config.disagg.disaggregation_mode, config, groups, self.runner)
+        self.scheduler = Scheduler(_with_dispatch_cap(config, groups), self.runner, tokenizer, role)
         self._init_collectives()
         self.codec = Codec(EngineInput)
         self._peer_codec = Codec(list[EngineInput])  # messages the leader shares with its TP peers
@@ -230,12 +232,17 @@ class EngineLoop:
         self._last_stats = now
         sched = self.scheduler
         pages = sched.pages
-        self._send(EngineStats(
+        stats = EngineStats(
             num_running=len(sched.decode) + (sched.prefill.chunked is not None),
             num_waiting=len(sched.prefill.waiting), pages_used=pages.num_used, pages_total=pages.capacity,
             page_size=pages.page_size, retracted=sched.decode.retracted, generation_steps=self._steps,
-            dp_rank=self.groups.dp_rank, rejected_messages=self.codec.rejected,
-        ))
+            dp_rank=self.groups.dp_rank, rejected_messages=self.codec.rejected, pd_queues=sched.role.stats(),
+        )
+        transfers = sched.role.transfer_stats()
+        if transfers is not None:
+            stats.transfers, stats.transfer_bytes = dict(transfers.transfers), transfers.bytes
+            stats.transfer_seconds, stats.transfer_writes = transfers.seconds, transfers.writes
+        self._send(stats)
 
 
 def _decoded(codec: Codec, data: bytes) -> object:
@@ -274,7 +281,10 @@ def run_rank(config: EngineConfig, rank: int, addrs: RankAddresses, ready: Conne
         return
     ready.send(("ready", {"max_total_tokens": loop.runner.max_total_tokens}))
     ready.close()
-    loop.run()
+    try:
+        loop.run()
+    finally:
+        loop.scheduler.role.close()
     # a CUDA graph that captured NCCL kernels holds its communicator open: free the graphs (the
     # model runner's) before the process group, or tearing NCCL down waits for them forever
     del loop

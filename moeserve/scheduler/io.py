@@ -62,6 +62,11 @@ class EngineStats(msgspec.Struct, tag="stats"):
     generation_steps: int
     dp_rank: int = 0
     rejected_messages: int = 0  # malformed messages this rank dropped
+    pd_queues: dict[str, int] = msgspec.field(default_factory=dict)  # requests per queue of a PD role
+    transfers: dict[str, int] = msgspec.field(default_factory=dict)  # finished KV transfers by result
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    transfer_writes: int = 0
 
 
 EngineInput = GenerateInput | AbortInput | ShutdownInput

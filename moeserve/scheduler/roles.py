@@ -5,6 +5,7 @@ of disaggregated serving live in ``moeserve.disagg``."""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from moeserve.core import Req
@@ -20,6 +21,9 @@ class Role:
 
     def bind(self, sched: Scheduler) -> None:
         self.sched = sched
+
+    def validate(self, req: Req) -> None:
+        """Raise ValueError naming the problem when this role cannot serve ``req``."""
 
     def admit(self, req: Req) -> None:
         """A new request: its prompt waits for prefill."""
@@ -51,6 +55,26 @@ class Role:
     def stats(self) -> dict[str, int]:
         """Requests per queue of the role, for metrics."""
         return {}
+
+    def transfer_stats(self) -> object | None:
+        """A PD role's ``TransferStats`` (transfers by result, bytes, seconds, writes)."""
+        return None
+
+    def close(self) -> None:
+        """The rank is stopping."""
+
+
+# The roles a rank can take, by ``--disaggregation-mode``: "module:function" building one from
+# (config, groups, runner), imported only when a rank takes it (the PD roles live above the
+# scheduler, in moeserve.disagg).
+ROLE_FACTORIES = {"prefill": "moeserve.disagg.rank:prefill_role", "decode": "moeserve.disagg.rank:decode_role"}
+
+
+def make_role(mode: str, *args: object) -> Role:
+    if mode == "null":
+        return MixedRole()
+    module, name = ROLE_FACTORIES[mode].split(":")
+    return getattr(importlib.import_module(module), name)(*args)
 
 
 class MixedRole(Role):

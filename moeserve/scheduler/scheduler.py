@@ -75,6 +75,7 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use")
         self._validate(prompt_ids, params)
         req = Req(rid, list(prompt_ids), params, bootstrap=bootstrap)
+        self.role.validate(req)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
         self.requests.add(req)
@@ -163,22 +164,23 @@ class Scheduler:
         reached ``max_tokens`` or the context length."""
         params, token = req.params, req.output_ids[-1]
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            self._finish(req, FinishReason.STOP, self._decode(req, req.output_ids[:-1]))
+            self.finish(req, FinishReason.STOP, self.detokenize(req, req.output_ids[:-1]))
         elif params.stop and (text := self._text_before_stop(req)) is not None:
-            self._finish(req, FinishReason.STOP, text)
+            self.finish(req, FinishReason.STOP, text)
         elif len(req.output_ids) >= params.max_tokens or req.seq_len >= self.config.context_length:
-            self._finish(req, FinishReason.LENGTH, self._decode(req, req.output_ids))
+            self.finish(req, FinishReason.LENGTH, self.detokenize(req, req.output_ids))
 
-    def _decode(self, req: Req, ids: list[int]) -> str:
+    def detokenize(self, req: Req, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, req.params.skip_special_tokens) if self.tokenizer else ""
 
     def _text_before_stop(self, req: Req) -> str | None:
         """The output text up to the first stop string, or None if no stop string appeared."""
-        text = self._decode(req, req.output_ids)
+        text = self.detokenize(req, req.output_ids)
         hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
         return text[:min(hits)] if hits else None
 
-    def _finish(self, req: Req, reason: FinishReason, text: str) -> None:
+    def finish(self, req: Req, reason: FinishReason, text: str) -> None:
+        """End ``req`` with ``reason`` and its final ``text``; its pages are freed."""
         self.decode.release(req)
         release_pages(self.pages, req)
         self.requests.pop(req.rid)

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moeserve.config import EngineConfig
-from moeserve.core import SamplingParams
+from moeserve.core import BootstrapInfo, SamplingParams
 from moeserve.models.tokenizer import Tokenizer
 from moeserve.scheduler.validation import check_request
 from moeserve.server import openai_serving as oai
@@ -116,6 +116,20 @@ class ServerState:
             check_request(prompt_ids, params, self.engine, self.kv_capacity, self.tokenizer is not None)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
+
+    def bootstrap(self, body: Any, index: int) -> BootstrapInfo | None:
+        """Where the other server of job ``index`` is; None on a monolithic server (which ignores
+        the fields). A prefill or decode server refuses a request without them."""
+        if not self.engine.disagg.enabled:
+            return None
+        try:
+            info = body.bootstrap(index)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        if info is None:
+            raise APIError(400, f"a {self.engine.disagg.disaggregation_mode} server needs bootstrap_host, "
+                                "bootstrap_port and bootstrap_room (send requests through the PD router)")
+        return info
 
     def check_model(self, model: str | None) -> None:
         known = {self.server.served_model_name, self.engine.load.model_path}
@@ -285,8 +299,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        if not state.healthy:
-            return Response(status_code=503)
+        if not state.healthy or state.engine.disagg.enabled:  # a PD server cannot generate alone
+            return Response(status_code=200 if state.healthy else 503)
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         try:
             await asyncio.wait_for(oai.collect(state.client.generate([0], params)), timeout=30)

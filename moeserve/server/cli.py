@@ -47,6 +47,18 @@ def _add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -
                      help="with --nnodes > 1: a file holding the same secret (>= 16 bytes) on every node; the "
                           "request channel between nodes authenticates and encrypts with keys derived from it")
     par.add_argument("--load-balance-method", default="round_robin", choices=["round_robin", "shortest_queue"])
+    pd = p.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument("--disaggregation-mode", default="null", choices=["null", "prefill", "decode"])
+    pd.add_argument("--disaggregation-transfer-backend", default="torch", choices=["nixl", "mooncake", "torch", "fake"],
+                    help="how KV moves from prefill to decode ranks (fake: in-process, for unit tests only)")
+    pd.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                    help="prefill: where its bootstrap server listens (on --host)")
+    pd.add_argument("--disaggregation-ib-device", default=None, help="RDMA device for mooncake / nixl")
+    pd.add_argument("--disaggregation-host", default="127.0.0.1",
+                    help="the address this server's side channels and KV data paths listen on")
+    pd.add_argument("--disaggregation-secret-file", default=None,
+                    help="a secret (>= 16 bytes) every prefill and decode server of the deployment shares; "
+                         "default: ~/.config/moeserve/pd_secret, made on first use")
 
 
 _ENGINE_KEYS = ("tokenizer_path", "device", "dtype", "load_format", "page_size", "max_total_tokens",
@@ -55,7 +67,9 @@ _ENGINE_KEYS = ("tokenizer_path", "device", "dtype", "load_format", "page_size",
                 "tp_size", "dp_size", "enable_dp_attention", "ep_size", "moe_a2a_backend", "deepep_mode",
                 "moe_dense_tp_size", "enable_dp_lm_head", "ep_num_redundant_experts",
                 "max_dispatch_tokens_per_rank", "nnodes", "node_rank", "dist_init_addr", "dist_secret_file",
-                "load_balance_method")
+                "load_balance_method", "disaggregation_mode", "disaggregation_transfer_backend",
+                "disaggregation_bootstrap_port", "disaggregation_ib_device", "disaggregation_host",
+                "disaggregation_secret_file")
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:

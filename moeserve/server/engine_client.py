@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from moeserve.core import SamplingParams, TokenLogprob
+from moeserve.core import BootstrapInfo, SamplingParams, TokenLogprob
 from moeserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from moeserve.scheduler.channel import ServerSide
 from moeserve.scheduler.io import (
@@ -99,7 +99,7 @@ class EngineClient:
     """
 
     def __init__(self, tokenizer: Tokenizer | None, metrics: Metrics, addrs: RankAddresses,
-                 load_balance_method: str = "round_robin") -> None:
+                 load_balance_method: str = "round_robin", route_by_room: bool = False) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.ctx = zmq.asyncio.Context()
@@ -109,6 +109,7 @@ class EngineClient:
         self.codec = Codec(EngineOutput)
         self._input_check = Codec(EngineInput)  # what the ranks will accept, checked before sending
         self.load_balance_method = load_balance_method
+        self.route_by_room = route_by_room  # a prefill server: the room picks the DP group, as the decode side assumes
         self._next_dp = 0
         self._requests: dict[str, _Request] = {}
         self.queued = 0  # admitted requests without a first token yet (``Ticket``)
@@ -117,9 +118,14 @@ class EngineClient:
         self._reader: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
 
-    def _pick_dp(self, cost: int) -> int:
+    def _pick_dp(self, cost: int, bootstrap: BootstrapInfo | None = None) -> int:
         """The DP group for a new request costing ``cost`` tokens."""
         n = len(self._to_engine)
+        if self.route_by_room and bootstrap is not None:
+            dp = bootstrap.room % n if bootstrap.prefill_dp_rank is None else bootstrap.prefill_dp_rank
+            if dp >= n:
+                raise EngineError(f"prefill_dp_rank {dp} is not in [0, {n})", 400)
+            return dp
         if self.load_balance_method == "shortest_queue":
             load = [0] * n
             for req in self._requests.values():
@@ -139,19 +145,20 @@ class EngineClient:
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
         self._reader.add_done_callback(self._reader_ended)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       ticket: Ticket | None = None) -> AsyncIterator[Chunk]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, ticket: Ticket | None = None,
+                       bootstrap: BootstrapInfo | None = None) -> AsyncIterator[Chunk]:
         """Stream one request's chunks; aborts it in the engine if the consumer stops early."""
         ticket = ticket or self.admit(1)
         rid = uuid.uuid4().hex
+        cost = len(prompt_ids) + params.max_tokens
         try:
-            message = self._encode_input(GenerateInput(rid, prompt_ids, params))
+            message = self._encode_input(GenerateInput(rid, prompt_ids, params, bootstrap))
+            dp = self._pick_dp(cost, bootstrap)
         except EngineError:
             ticket.done_one()
             raise
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) if self.tokenizer else None
-        cost = len(prompt_ids) + params.max_tokens
-        req = self._requests[rid] = _Request(rid, params, detok, self._pick_dp(cost), cost)
+        req = self._requests[rid] = _Request(rid, params, detok, dp, cost)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         finished, queued = False, True
         try:

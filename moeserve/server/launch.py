@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -13,6 +14,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from moeserve.config import EngineConfig
+from moeserve.disagg.bootstrap import BootstrapService
+from moeserve.disagg.secret import ensure_secret, read_secret
+from moeserve.disagg.transfer.manager import bootstrap_token
 from moeserve.models.tokenizer import load_tokenizer
 from moeserve.scheduler.ranks import RankAddresses, RankProcesses
 from moeserve.server.api import ServerConfig, ServerState, build_app
@@ -29,12 +33,17 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     Node 0 runs the API process and its ranks; other nodes (``--node-rank`` > 0) run only their
     ranks, which find node 0 through ``--dist-init-addr``.
     """
-    par = engine_config.parallel
+    engine_config = _with_bootstrap_host(engine_config, server_config.host)
+    par, disagg = engine_config.parallel, engine_config.disagg
+    if disagg.enabled:
+        ensure_secret(disagg.secret_path)
     addrs = RankAddresses.derive(par)
     if par.node_rank > 0:
         return _serve_ranks_only(engine_config, addrs)
+    bootstrap = _bootstrap_service(engine_config)
     tokenizer = load_tokenizer(engine_config.load.tokenizer_path or engine_config.load.model_path)
-    client = EngineClient(tokenizer, Metrics(server_config.served_model_name), addrs, par.load_balance_method)
+    client = EngineClient(tokenizer, Metrics(server_config.served_model_name), addrs, par.load_balance_method,
+                          route_by_room=disagg.disaggregation_mode == "prefill")
     logger.info("engine channel: %s (CURVE-authenticated)", ", ".join([addrs.output, *addrs.inputs]))
     state: ServerState | None = None
     try:
@@ -42,13 +51,30 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         try:
             info = ranks.wait_ready()
             state = ServerState(client, tokenizer, engine_config, server_config, kv_capacity=info["max_total_tokens"])
-            _http_server(state, ranks).run()
+            _http_server(state, ranks, bootstrap).run()
         finally:
             ranks.stop()
     finally:
         client.close()
         addrs.cleanup()
+        if bootstrap is not None:
+            bootstrap.sock.close()
     return 1 if state is None or state.failure else 0
+
+
+def _with_bootstrap_host(config: EngineConfig, host: str) -> EngineConfig:
+    """This server's bootstrap server listens on its HTTP host (its ranks reach it there)."""
+    reachable = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return dataclasses.replace(config, disagg=dataclasses.replace(config.disagg, bootstrap_host=reachable))
+
+
+def _bootstrap_service(config: EngineConfig) -> BootstrapService | None:
+    disagg = config.disagg
+    if disagg.disaggregation_mode != "prefill":
+        return None
+    token = bootstrap_token(read_secret(disagg.secret_path))
+    return BootstrapService(disagg.bootstrap_host, disagg.disaggregation_bootstrap_port, config.parallel.world_size,
+                            token)
 
 
 def _serve_ranks_only(engine_config: EngineConfig, addrs: RankAddresses) -> int:
@@ -71,7 +97,7 @@ def _serve_ranks_only(engine_config: EngineConfig, addrs: RankAddresses) -> int:
     return 0 if stop or all(p.exitcode == 0 for p in ranks.procs) else 1
 
 
-def _http_server(state: ServerState, ranks: RankProcesses) -> uvicorn.Server:
+def _http_server(state: ServerState, ranks: RankProcesses, bootstrap: BootstrapService | None) -> uvicorn.Server:
     server: uvicorn.Server
 
     async def watchdog() -> None:
@@ -87,10 +113,14 @@ def _http_server(state: ServerState, ranks: RankProcesses) -> uvicorn.Server:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.client.start()
+        if bootstrap is not None:
+            bootstrap.start()
         guard = asyncio.get_running_loop().create_task(watchdog())
         yield
         state.healthy = False
         guard.cancel()
+        if bootstrap is not None:
+            await bootstrap.stop()
         await state.client.shutdown()
 
     app = build_app(state, lifespan)

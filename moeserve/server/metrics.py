@@ -43,6 +43,14 @@ class Metrics:
                                    "ZMQ peers refused at the handshake (unknown key)").labels(**labels)
         self.refused_requests = Counter("moeserve:refused_requests", "HTTP requests refused before reaching the "
                                         "engine", [*labels, "reason"], registry=reg)
+        self.pd_queue = Gauge("moeserve:pd_queue_reqs", "requests per queue of a prefill or decode server",
+                              [*labels, "queue"], registry=reg)
+        self.transfers = Gauge("moeserve:kv_transfers", "finished KV transfers (rooms) by result",
+                               [*labels, "result"], registry=reg)
+        self.transfer_bytes = gauge("moeserve:kv_transfer_bytes", "bytes of KV sent").labels(**labels)
+        self.transfer_seconds = gauge("moeserve:kv_transfer_seconds", "time KV writes took, summed").labels(**labels)
+        self.transfer_writes = gauge("moeserve:kv_transfer_writes", "KV writes (one per chunk and peer)").labels(
+            **labels)
         self._labels = labels
 
     def update_engine(self, stats: list[EngineStats]) -> None:
@@ -52,6 +60,13 @@ class Metrics:
         self.pages_used.set(sum(s.pages_used for s in stats))
         self.pages_total.set(sum(s.pages_total for s in stats))
         self.engine_rejected_messages.set(sum(s.rejected_messages for s in stats))
+        for name in {k for s in stats for k in s.pd_queues}:
+            self.pd_queue.labels(**self._labels, queue=name).set(sum(s.pd_queues.get(name, 0) for s in stats))
+        for result in {k for s in stats for k in s.transfers}:
+            self.transfers.labels(**self._labels, result=result).set(sum(s.transfers.get(result, 0) for s in stats))
+        self.transfer_bytes.set(sum(s.transfer_bytes for s in stats))
+        self.transfer_seconds.set(sum(s.transfer_seconds for s in stats))
+        self.transfer_writes.set(sum(s.transfer_writes for s in stats))
 
     def refused(self, reason: str) -> None:
         self.refused_requests.labels(**self._labels, reason=reason).inc()

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from moeserve.core import SamplingParams, TokenLogprob
+from moeserve.core import BootstrapInfo, SamplingParams, TokenLogprob
 from moeserve.server.engine_client import Chunk, Ticket
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
@@ -26,6 +26,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     ticket: Ticket | None = None  # the queue places of the HTTP request this job belongs to
+    bootstrap: BootstrapInfo | None = None  # the other server of a disaggregated request
 
 
 @dataclass
@@ -69,7 +70,8 @@ async def completion_jobs(state: ServerState, body: CompletionRequest, ticket: T
         ids = await state.encode(prompt)
         for choice in range(body.n):
             params = _params(state, body, ids, body.max_tokens, body.logprobs, choice)
-            jobs.append(Job(p_index * body.n + choice, p_index, ids, params, ticket))
+            index = p_index * body.n + choice
+            jobs.append(Job(index, p_index, ids, params, ticket, state.bootstrap(body, index)))
     return jobs
 
 
@@ -89,7 +91,8 @@ async def chat_jobs(state: ServerState, body: ChatCompletionRequest, ticket: Tic
     ids = await state.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return [Job(c, 0, ids, _params(state, body, ids, max_tokens, logprobs, c), ticket) for c in range(body.n)]
+    return [Job(c, 0, ids, _params(state, body, ids, max_tokens, logprobs, c), ticket, state.bootstrap(body, c))
+            for c in range(body.n)]
 
 
 _NATIVE_NAMES = {"max_new_tokens": "max_tokens"}
@@ -110,7 +113,7 @@ async def native_job(state: ServerState, body: GenerateRequest, ticket: Ticket) 
     except ValueError as exc:
         raise _api_error(f"sampling_params.{exc}") from exc
     state.check(ids, params)
-    return Job(0, 0, ids, params, ticket)
+    return Job(0, 0, ids, params, ticket, state.bootstrap(body, 0))
 
 
 # ---- running jobs --------------------------------------------------------------------------
@@ -131,7 +134,8 @@ def _add(result: Result, chunk: Chunk) -> None:
 
 async def run_all(state: ServerState, jobs: list[Job]) -> list[Result]:
     """Run every job concurrently; if one fails or the caller is cancelled, cancel the rest."""
-    tasks = [asyncio.ensure_future(collect(state.client.generate(j.prompt_ids, j.params, j.ticket))) for j in jobs]
+    tasks = [asyncio.ensure_future(collect(state.client.generate(j.prompt_ids, j.params, j.ticket, j.bootstrap)))
+             for j in jobs]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -145,7 +149,7 @@ async def merged(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[Job
 
     async def pump(job: Job) -> None:
         try:
-            async for chunk in state.client.generate(job.prompt_ids, job.params, job.ticket):
+            async for chunk in state.client.generate(job.prompt_ids, job.params, job.ticket, job.bootstrap):
                 queue.put_nowait((job, chunk, None))
         except Exception as exc:
             queue.put_nowait((job, None, exc))
@@ -263,13 +267,13 @@ def _native_body(result: Result, started: float, rid: str, with_logprobs: bool) 
 
 async def native_response(state: ServerState, body: GenerateRequest, job: Job) -> dict[str, Any]:
     started = time.monotonic()
-    result = await collect(state.client.generate(job.prompt_ids, job.params, job.ticket))
+    result = await collect(state.client.generate(job.prompt_ids, job.params, job.ticket, job.bootstrap))
     return _native_body(result, started, uuid.uuid4().hex, body.return_logprob)
 
 
 async def stream_native(state: ServerState, body: GenerateRequest, job: Job) -> AsyncIterator[dict]:
     """Like SGLang: every event carries the text and token ids so far."""
     started, rid, result = time.monotonic(), uuid.uuid4().hex, Result()
-    async for chunk in state.client.generate(job.prompt_ids, job.params, job.ticket):
+    async for chunk in state.client.generate(job.prompt_ids, job.params, job.ticket, job.bootstrap):
         _add(result, chunk)
         yield _native_body(result, started, rid, body.return_logprob)

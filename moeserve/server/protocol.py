@@ -6,14 +6,30 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from moeserve.core import SamplingParams
+from moeserve.core import BootstrapInfo, SamplingParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _BootstrapFields(BaseModel):
+    """Set by the PD router on requests to a prefill or a decode server; a monolithic server
+    ignores them. Choice ``i`` of a request (prompts x n) uses room ``bootstrap_room + i``."""
+
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = Field(None, ge=0, lt=2**63)
+    prefill_dp_rank: int | None = Field(None, ge=0)
+
+    def bootstrap(self, index: int) -> BootstrapInfo | None:
+        if self.bootstrap_room is None or self.bootstrap_host is None or self.bootstrap_port is None:
+            return None
+        return BootstrapInfo(self.bootstrap_host, self.bootstrap_port, (self.bootstrap_room + index) % 2**63,
+                             self.prefill_dp_rank)
+
+
+class _SamplingFields(_BootstrapFields):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -78,7 +94,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_BootstrapFields):
     """The native endpoint, shaped like SGLang's ``/generate``."""
 
     model_config = ConfigDict(extra="ignore")

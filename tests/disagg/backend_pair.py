@@ -48,23 +48,22 @@ def expected_decode_buffers() -> list[torch.Tensor]:
     return [kv, aux]
 
 
-def _decode(name: str, conn, done) -> None:
+def _decode(name: str, conn, written, read) -> None:
     try:
         from moeserve.disagg.transfer.base import create_backend
 
         bufs = buffers(-1.0)
         backend = create_backend(name, bufs, "127.0.0.1")
         conn.send(("descriptor", backend.descriptor()))
-        assert done.wait(TIMEOUT_S), "the prefill side never finished"
+        assert written.wait(TIMEOUT_S), "the prefill side never finished"
         conn.send(("buffers", [b.clone() for b in bufs]))
-        done.clear()
-        assert done.wait(TIMEOUT_S)  # stay alive until the parent has read
+        assert read.wait(TIMEOUT_S)  # stay alive until the parent has read
         backend.close()
     except Exception:
         conn.send(("error", traceback.format_exc()))
 
 
-def _prefill(name: str, conn, descriptor, done, rounds: int) -> None:
+def _prefill(name: str, conn, descriptor, written, read, rounds: int) -> None:
     try:
         from moeserve.disagg.transfer.base import KVPoll, create_backend
 
@@ -78,31 +77,32 @@ def _prefill(name: str, conn, descriptor, done, rounds: int) -> None:
                 time.sleep(0.001)
             states.append(int(state))
         conn.send(("states", states))
-        done.set()
-        assert done.wait(TIMEOUT_S)
+        written.set()
+        assert read.wait(TIMEOUT_S)
         backend.close()
     except Exception:
         conn.send(("error", traceback.format_exc()))
-        done.set()
+        written.set()
 
 
 def run_pair(name: str, rounds: int = 2) -> tuple[list[int], list[torch.Tensor]]:
     """The transfer states the prefill side saw and the decode side's buffers afterwards."""
     ctx = mp.get_context("spawn")
-    done = ctx.Event()
+    written, read = ctx.Event(), ctx.Event()
     d_parent, d_child = ctx.Pipe()
     p_parent, p_child = ctx.Pipe()
-    decode = ctx.Process(target=_decode, args=(name, d_child, done), daemon=True)
+    decode = ctx.Process(target=_decode, args=(name, d_child, written, read), daemon=True)
     decode.start()
     try:
         kind, value = _recv(d_parent)
-        prefill = ctx.Process(target=_prefill, args=(name, p_child, value, done, rounds), daemon=True)
+        prefill = ctx.Process(target=_prefill, args=(name, p_child, value, written, read, rounds), daemon=True)
         prefill.start()
         _, states = _recv(p_parent)
         _, got = _recv(d_parent)
-        done.set()
+        read.set()
         prefill.join(TIMEOUT_S)
         decode.join(TIMEOUT_S)
+        assert (prefill.exitcode, decode.exitcode) == (0, 0), "a side of the pair did not exit cleanly"
         return states, got
     finally:
         for proc in (decode, locals().get("prefill")):

@@ -67,12 +67,13 @@ class TransferBackend(ABC):
     @abstractmethod
     def check(self, handle: object) -> KVPoll:
         """``Transferring`` while the copy runs, then ``Success`` (every byte is in the peer's
-        memory) or ``Failed``."""
+        memory) or ``Failed`` -- only once no byte of this write can land any more, so that the
+        decode side may reuse the pages when it hears of the failure."""
 
-    def disconnect(self, peer: str) -> None:  # noqa: B027 -- optional
+    def disconnect(self, peer: str) -> None:
         """Forget ``peer`` (it died or left)."""
 
-    def close(self) -> None:  # noqa: B027 -- optional
+    def close(self) -> None:
         """Release the registrations and connections."""
 
 
@@ -82,7 +83,6 @@ _BACKENDS = {
     "nixl": "moeserve.disagg.transfer.nixl:NixlBackend",
     "mooncake": "moeserve.disagg.transfer.mooncake:MooncakeBackend",
 }
-TRANSFER_BACKENDS = tuple(_BACKENDS)
 
 
 def create_backend(name: str, buffers: Sequence[torch.Tensor], host: str,

@@ -1,0 +1,56 @@
+"""What a rank of a prefill or decode server adds to the rank loop: its role and transfer manager."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+
+from moeserve.config import EngineConfig
+from moeserve.disagg.roles import AUX_WIDTH, DecodeRole, PrefillRole
+from moeserve.disagg.secret import read_secret
+from moeserve.disagg.transfer.manager import KVArgs, KVManager, RankIdentity
+from moeserve.distributed.groups import ParallelGroups
+from moeserve.executor.model_runner import ModelRunner
+
+def prefill_role(config: EngineConfig, groups: ParallelGroups, runner: ModelRunner) -> PrefillRole:
+    return PrefillRole(_manager("prefill", config, groups, runner), _aux_slots(config))
+
+
+def decode_role(config: EngineConfig, groups: ParallelGroups, runner: ModelRunner) -> DecodeRole:
+    return DecodeRole(_manager("decode", config, groups, runner), _aux_slots(config))
+
+
+def _aux_slots(config: EngineConfig) -> int:
+    """Room for the first-token records of every request that can be in flight at once."""
+    return 4 * config.scheduler.max_running_requests
+
+
+def _manager(role: str, config: EngineConfig, groups: ParallelGroups, runner: ModelRunner) -> KVManager:
+    d = config.disagg
+    kv = runner.kv_pool.buffer
+    aux = torch.zeros(_aux_slots(config), AUX_WIDTH, dtype=torch.float64, device=kv.device)
+    identity = RankIdentity(page_size=runner.page_size, kv_dtype=str(kv.dtype).removeprefix("torch."),
+                            num_layers=config.model.num_layers, model=model_fingerprint(config),
+                            dp_rank=groups.dp_rank, tp_rank=groups.attn_tp.rank, attn_tp_size=groups.attn_tp.size,
+                            attn_dp_size=groups.dp_size)
+    bootstrap = (d.bootstrap_host, d.disaggregation_bootstrap_port) if role == "prefill" else None
+    args = KVArgs(d.disaggregation_transfer_backend, kv, aux, identity, d.disaggregation_host,
+                  read_secret(d.secret_path), d.disaggregation_ib_device, bootstrap)
+    return KVManager(role, args)
+
+
+def model_fingerprint(config: EngineConfig) -> str:
+    """The same for two servers of one model: its config and the names and sizes of its weight files
+    (random weights: the config and the seed)."""
+    load = config.load
+    h = hashlib.sha256(json.dumps(config.model.__dict__, sort_keys=True, default=str).encode())
+    if load.load_format == "dummy" or load.model_path is None:
+        h.update(f"dummy:{load.seed}".encode())
+    else:
+        for name in sorted(os.listdir(load.model_path)):
+            if name.endswith((".safetensors", ".json")):
+                h.update(f"{name}:{os.path.getsize(os.path.join(load.model_path, name))}".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,302 @@
+"""The roles of disaggregated serving.
+
+```
+prefill server:  bootstrap (wait for the decode side's page indices) -> prefill manager (chunked
+                 prefill; each finished chunk's pages pushed at once) -> in flight (the last push
+                 carries the aux record) -> done: pages freed, the request ends
+decode server:   pre-allocation (find the prefill rank, take pages for the prompt and an aux slot,
+                 send their indices) -> transfer (poll) -> the running decode batch, first token
+                 from the aux record, no prefill compute here
+```
+
+The ranks of one attention-TP group move a request on only when every one of them sees it ready
+(``sched.tp_min`` over the states), so they keep scheduling the same batches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from moeserve.core import FinishReason, Req, TokenLogprob
+from moeserve.disagg.transfer.base import KVPoll
+from moeserve.disagg.transfer.manager import KVManager, KVReceiver, KVSender
+from moeserve.scheduler.requests import release_pages
+from moeserve.scheduler.roles import Role
+
+MAX_TOP_LOGPROBS = 20
+AUX_WIDTH = 3 + 2 * MAX_TOP_LOGPROBS  # token id, its logprob, how many alternatives, their ids, their logprobs
+DRAIN_TIMEOUT_S = 60.0  # an aborted room whose prefill side never confirms frees its pages after this
+
+
+class SlotPool:
+    """Free-list of aux record slots."""
+
+    def __init__(self, n: int) -> None:
+        self._free = list(range(n - 1, -1, -1))
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+
+def write_aux(aux: torch.Tensor, slot: int, req: Req) -> None:
+    """The first token (and its logprobs, when asked) into ``aux[slot]``, float64 (exact for ids)."""
+    row = torch.full((AUX_WIDTH,), math.nan, dtype=torch.float64)
+    row[0] = req.output_ids[0]
+    row[2] = 0
+    if req.output_logprobs:
+        lp = req.output_logprobs[0]
+        row[1], row[2] = lp.logprob, len(lp.top)
+        for i, (token, value) in enumerate(lp.top[:MAX_TOP_LOGPROBS]):
+            row[3 + i], row[3 + MAX_TOP_LOGPROBS + i] = token, value
+    aux[slot].copy_(row)
+
+
+def read_aux(aux: torch.Tensor, slot: int, want_logprobs: bool) -> tuple[int, TokenLogprob | None]:
+    row = aux[slot].cpu().tolist()
+    token = int(row[0])
+    if not want_logprobs or math.isnan(row[1]):
+        return token, None
+    n = int(row[2])
+    top = [(int(row[3 + i]), row[3 + MAX_TOP_LOGPROBS + i]) for i in range(n)]
+    return token, TokenLogprob(token, row[1], top)
+
+
+def _needs_bootstrap(req: Req, side: str) -> None:
+    if req.bootstrap is None:
+        raise ValueError(f"a {side} server needs bootstrap_host, bootstrap_port and bootstrap_room "
+                         "(send requests through the PD router)")
+
+
+class PrefillRole(Role):
+    name = "prefill"
+
+    def __init__(self, manager: KVManager, aux_slots: int) -> None:
+        self.manager = manager
+        self.aux = SlotPool(aux_slots)
+        self.bootstrapping: list[Req] = []
+        self.in_flight: list[Req] = []
+        self.senders: dict[str, KVSender] = {}
+        self.aux_of: dict[str, int] = {}
+        self.sent_pages: dict[str, int] = {}
+
+    def validate(self, req: Req) -> None:
+        _needs_bootstrap(req, "prefill")
+        if self.aux.num_free == 0:
+            raise RuntimeError("too many disaggregated requests in flight (no aux record slot is free)")
+
+    def admit(self, req: Req) -> None:
+        slot = self.aux.alloc()
+        self.aux_of[req.rid] = slot
+        self.senders[req.rid] = self.manager.sender(req.bootstrap.room, slot)
+        self.sent_pages[req.rid] = 0
+        self.bootstrapping.append(req)
+
+    def poll(self) -> list[Req]:
+        changed = []
+        for req, state in self._agreed(self.bootstrapping):
+            if state is KVPoll.Failed:
+                changed.append(self._fail(req))
+            elif state >= KVPoll.WaitingForInput:
+                self.bootstrapping.remove(req)
+                self.sched.prefill.add(req)
+        for req, state in self._agreed(self.in_flight):
+            if state is KVPoll.Failed:
+                changed.append(self._fail(req))
+            elif state is KVPoll.Success:
+                self.in_flight.remove(req)
+                self._forget(req)
+                self.sched.finish(req, FinishReason.LENGTH, self.sched.detokenize(req, req.output_ids))
+                changed.append(req)
+        return changed
+
+    def _agreed(self, reqs: list[Req]) -> list[tuple[Req, KVPoll]]:
+        states = self.sched.tp_min([int(self.senders[r.rid].poll()) for r in reqs])
+        return [(r, KVPoll(s)) for r, s in zip(list(reqs), states)]
+
+    def after_chunk(self, req: Req, start: int, end: int) -> None:
+        if end < req.seq_len:  # the last chunk goes with the aux record, after sampling
+            self._push(req, end // self.sched.pages.page_size, last=False)
+
+    def after_prefill(self, req: Req) -> bool:
+        write_aux(self.manager.args.aux, self.aux_of[req.rid], req)
+        self._push(req, self.sched.pages.pages_for(len(req.prompt_ids)), last=True)
+        self.in_flight.append(req)
+        return False  # the decode server decides when it stops
+
+    def _push(self, req: Req, upto: int, last: bool) -> None:
+        first = self.sent_pages[req.rid]
+        if upto > first or last:
+            self.senders[req.rid].send(first, req.page_table[first:upto], last)
+            self.sent_pages[req.rid] = upto
+
+    def _fail(self, req: Req) -> Req:
+        message = self.senders[req.rid].message or "the KV transfer failed"
+        self.sched.fail(req, f"disaggregated prefill: {message}")
+        return req
+
+    def release(self, req: Req) -> bool:
+        """Prefill pages are only read by a transfer, so they can go at once: a write still reading
+        them sends stale bytes to a room that is failing anyway."""
+        for queue in (self.bootstrapping, self.in_flight):
+            if req in queue:
+                queue.remove(req)
+        if req.rid in self.senders:
+            self.senders[req.rid].abort()
+            self._forget(req)
+        return False
+
+    def _forget(self, req: Req) -> None:
+        self.senders.pop(req.rid, None)
+        self.sent_pages.pop(req.rid, None)
+        self.aux.free(self.aux_of.pop(req.rid))
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.bootstrapping) + len(self.in_flight)
+
+    def stats(self) -> dict[str, int]:
+        return {"bootstrap": len(self.bootstrapping), "inflight": len(self.in_flight)}
+
+    def transfer_stats(self) -> object:
+        return self.manager.stats
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+class DecodeRole(Role):
+    name = "decode"
+
+    def __init__(self, manager: KVManager, aux_slots: int) -> None:
+        self.manager = manager
+        self.aux = SlotPool(aux_slots)
+        self.prealloc: list[Req] = []
+        self.transfer: list[Req] = []
+        self.draining: list[tuple[Req, KVReceiver, float]] = []  # aborted, pages held until the room settles
+        self.receivers: dict[str, KVReceiver] = {}
+        self.aux_of: dict[str, int] = {}
+
+    def validate(self, req: Req) -> None:
+        _needs_bootstrap(req, "decode")
+
+    def admit(self, req: Req) -> None:
+        b = req.bootstrap
+        self.receivers[req.rid] = self.manager.receiver(b.room, b.host, b.port, b.prefill_dp_rank)
+        self.prealloc.append(req)
+
+    def poll(self) -> list[Req]:
+        changed = self._preallocate()
+        for req, state in self._agreed(self.transfer):
+            if state is KVPoll.Failed:
+                changed.append(self._fail(req))
+            elif state is KVPoll.Success:
+                self.transfer.remove(req)
+                changed.append(self._start_decoding(req))
+        self._drain()
+        return changed
+
+    def _agreed(self, reqs: list[Req]) -> list[tuple[Req, KVPoll]]:
+        states = self.sched.tp_min([int(self.receivers[r.rid].poll()) for r in reqs])
+        return [(r, KVPoll(s)) for r, s in zip(list(reqs), states)]
+
+    def _preallocate(self) -> list[Req]:
+        """In arrival order, as long as pages for the prompt fit beside the running requests' growth."""
+        changed, blocked = [], False
+        for req, state in self._agreed(self.prealloc):
+            if state is KVPoll.Failed:
+                changed.append(self._fail(req))
+            elif state >= KVPoll.WaitingForInput and not blocked:
+                blocked = not self._allocate(req)
+        return changed
+
+    def _allocate(self, req: Req) -> bool:
+        pages = self.sched.pages
+        need = pages.pages_for(len(req.prompt_ids))
+        reserve = (len(self.sched.decode) + len(self.transfer)) * pages.pages_for(
+            self.sched.config.scheduler.decode_reserve_tokens)
+        slot = self.aux.alloc() if pages.num_free - reserve >= need else None
+        if slot is None:
+            return False
+        req.page_table = pages.alloc(need)
+        self.aux_of[req.rid] = slot
+        self.prealloc.remove(req)
+        self.transfer.append(req)
+        self.receivers[req.rid].init(req.page_table, slot)
+        return True
+
+    def _start_decoding(self, req: Req) -> Req:
+        token, logprob = read_aux(self.manager.args.aux, self.aux_of[req.rid], req.params.logprobs is not None)
+        self._forget(req)
+        req.output_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        req.kv_len = len(req.prompt_ids)
+        self.sched.decode.add(req)
+        self.sched.check_finished(req)
+        return req
+
+    def _fail(self, req: Req) -> Req:
+        message = self.receivers[req.rid].message or "the KV transfer failed"
+        self.sched.fail(req, f"disaggregated decode: {message}")
+        return req
+
+    def after_prefill(self, req: Req) -> bool:
+        """A retracted request prefills again here, from its tokens, then decodes on."""
+        self.sched.decode.add(req)
+        return True
+
+    def release(self, req: Req) -> bool:
+        """An aborted request whose pages the prefill side may still be writing keeps them until its
+        room settles (the prefill side confirms) or ``DRAIN_TIMEOUT_S`` passes."""
+        if req in self.prealloc:
+            self.prealloc.remove(req)
+        receiver = self.receivers.get(req.rid)
+        writing = req in self.transfer
+        if writing:
+            self.transfer.remove(req)
+        if receiver is not None:
+            receiver.abort()
+        if writing:  # its pages and aux slot wait for the room to settle
+            self.draining.append((req, receiver, time.monotonic() + DRAIN_TIMEOUT_S))
+            return True
+        self._forget(req)
+        return False
+
+    def _drain(self) -> None:
+        """Free what aborted rooms held, once every rank of the group sees the room settled."""
+        now = time.monotonic()
+        ready = self.sched.tp_min([int(r.settled or now > deadline) for _, r, deadline in self.draining])
+        for entry, done in zip(list(self.draining), ready):
+            if done:
+                self.draining.remove(entry)
+                self._forget(entry[0])
+                release_pages(self.sched.pages, entry[0])
+
+    def _forget(self, req: Req) -> None:
+        self.receivers.pop(req.rid, None)
+        slot = self.aux_of.pop(req.rid, None)
+        if slot is not None:
+            self.aux.free(slot)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.prealloc) + len(self.transfer) + len(self.draining)
+
+    def stats(self) -> dict[str, int]:
+        return {"prealloc": len(self.prealloc), "transfer": len(self.transfer), "draining": len(self.draining)}
+
+    def transfer_stats(self) -> object:
+        return self.manager.stats
+
+    def close(self) -> None:
+        self.manager.close()

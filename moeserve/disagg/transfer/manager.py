@@ -1,0 +1,530 @@
+"""The control half of KV transfer: one ``KVManager`` per rank, a thread that speaks a small
+protocol over an authenticated ZMQ side channel and drives the data path (``TransferBackend``).
+
+```
+decode rank                                  prefill rank (ROUTER, registered at the bootstrap server)
+  route lookup (bootstrap GET /route) ───────>
+  Hello(descriptor, page size, dtype, layers, model)  ─>  check both sides match, backend.connect
+                                           <─ HelloReply(ok | message naming both values)
+  RoomRequest(room, page indices, aux slot)  ─>   the room's sender waits for one per decode TP rank
+                                                  prefill runs; each chunk: backend.write(pieces)
+                                           <─ RoomDone(room, ok) when every write of the room landed
+  RoomAbort(room)                            ─>   the sender fails; writes in flight finish
+```
+
+The scheduler's thread never blocks on any of it: ``KVSender`` and ``KVReceiver`` only queue
+commands for the manager's thread and read the states it writes. Every backend call happens on
+the manager's thread (NIXL agents are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+import torch
+import zmq
+
+from moeserve.disagg.transfer.base import KVPoll, Piece, TransferBackend, create_backend
+from moeserve.scheduler.channel import ChannelKeys, ServerSide, connect
+
+logger = logging.getLogger(__name__)
+POLL_MS = 2
+REGISTER_RETRY_S = 0.5
+LOOKUP_TIMEOUT_S = 5.0
+
+
+# ---- identity and layout ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankIdentity:
+    """What both sides of a pair must agree on, and where a rank sits in its server's layout."""
+
+    page_size: int
+    kv_dtype: str
+    num_layers: int
+    model: str  # a fingerprint of the model (config and weight files)
+    dp_rank: int = 0
+    tp_rank: int = 0
+    attn_tp_size: int = 1
+    attn_dp_size: int = 1
+
+    def mismatches(self, other: RankIdentity) -> list[str]:
+        names = ("page_size", "kv_dtype", "num_layers", "model")
+        return [f"{n}: prefill {getattr(self, n)!r} vs decode {getattr(other, n)!r}"
+                for n in names if getattr(self, n) != getattr(other, n)]
+
+
+# ---- messages ------------------------------------------------------------------------------------
+class Hello(msgspec.Struct, tag="hello"):
+    decode_id: str
+    identity: dict[str, Any]
+    descriptor: dict[str, Any]
+    kv_slots: int  # the decode rank's KV slots per layer (its layer stride)
+
+
+class HelloReply(msgspec.Struct, tag="hello_reply"):
+    ok: bool
+    message: str = ""
+
+
+class RoomRequest(msgspec.Struct, tag="room"):
+    room: int
+    decode_id: str
+    tp_rank: int
+    tp_size: int
+    page_indices: list[int]
+    aux_index: int
+
+
+class RoomAbort(msgspec.Struct, tag="room_abort"):
+    room: int
+    decode_id: str
+
+
+class RoomDone(msgspec.Struct, tag="room_done"):
+    room: int
+    ok: bool
+    message: str = ""
+
+
+SideMessage = Hello | HelloReply | RoomRequest | RoomAbort | RoomDone
+_CODEC = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(SideMessage)
+
+
+def _decode(data: bytes) -> SideMessage | None:
+    try:
+        return _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def pd_keys(secret: bytes) -> ChannelKeys:
+    """The side channel's CURVE keys: every PD server of a deployment derives the same from the
+    secret the operator shares (one file, as for multi-node ranks)."""
+    return ChannelKeys.from_secret(hmac.new(secret, b"moeserve-pd", hashlib.sha256).digest())
+
+
+def bootstrap_token(secret: bytes) -> str:
+    """The token prefill ranks present to register at their bootstrap server."""
+    return hmac.new(secret, b"moeserve-bootstrap", hashlib.sha256).hexdigest()
+
+
+@dataclass
+class KVArgs:
+    """What one rank's manager works with."""
+
+    backend: str
+    kv: torch.Tensor  # [layers, slots, dim], the latent cache
+    aux: torch.Tensor  # [aux slots, AUX_WIDTH] float64, first-token records
+    identity: RankIdentity
+    host: str  # where the side channel and the data path listen
+    secret: bytes
+    ib_device: str | None = None
+    bootstrap: tuple[str, int] | None = None  # prefill: its own bootstrap server
+
+
+class KVManager:
+    """One rank's transfers; ``role`` is "prefill" or "decode"."""
+
+    def __init__(self, role: str, args: KVArgs) -> None:
+        self.role, self.args = role, args
+        self.keys = pd_keys(args.secret)
+        self.backend: TransferBackend = create_backend(args.backend, [args.kv, args.aux], args.host, args.ib_device)
+        self.ctx = zmq.Context()
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stop = threading.Event()
+        self.stats = TransferStats()
+        self._init_role()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"kv-{role}")
+        self._thread.start()
+
+    def _init_role(self) -> None:
+        if self.role == "prefill":
+            self._side = ServerSide(self.ctx, self.keys)
+            self._router = self._side.bind(zmq.ROUTER, f"tcp://{self.args.host}:0")
+            self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._peers: dict[str, _PeerLink] = {}  # decode_id -> its layout
+            self._senders: dict[int, KVSender] = {}
+            self._early: dict[int, list[tuple[RoomRequest, _PeerLink]]] = {}  # before the request itself
+            self._writes: list[_InFlight] = []
+            self._registered = self.args.bootstrap is None
+            self._next_register = 0.0
+        else:
+            self.decode_id = f"{self.args.host}:{os.getpid()}:{self.args.identity.dp_rank}.{self.args.identity.tp_rank}"
+            self._routes: dict[tuple[str, int, int], str] = {}  # (bootstrap host, port, dp) -> endpoint
+            self._dealers: dict[str, _Dealer] = {}  # prefill endpoint -> link
+            self._receivers: dict[int, KVReceiver] = {}
+
+    # ---- the scheduler's side ------------------------------------------------------------------
+    def sender(self, room: int, aux_index: int) -> KVSender:
+        sender = KVSender(self, room, aux_index)
+        self._commands.put(lambda: self._add_sender(sender))
+        return sender
+
+    def receiver(self, room: int, bootstrap_host: str, bootstrap_port: int, prefill_dp: int | None) -> KVReceiver:
+        receiver = KVReceiver(self, room)
+        self._commands.put(lambda: self._start_receiver(receiver, bootstrap_host, bootstrap_port, prefill_dp))
+        return receiver
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.backend.close()
+        if self.role == "prefill":
+            self._side.stop()
+        self.ctx.destroy(linger=0)
+
+    # ---- the manager's thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        sockets = self._sockets()
+        poller = zmq.Poller()
+        for sock in sockets:
+            poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            self._run_commands()
+            if self.role == "prefill":
+                self._register_once()
+                self._check_writes()
+            for sock, _ in poller.poll(POLL_MS):
+                self._receive(sock)
+            if self.role == "decode" and len(self._sockets()) != len(sockets):  # a new prefill peer
+                sockets = self._sockets()
+                for sock in sockets:
+                    poller.register(sock, zmq.POLLIN)
+
+    def _sockets(self) -> list[zmq.Socket]:
+        return [self._router] if self.role == "prefill" else [d.sock for d in self._dealers.values()]
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command()
+            except Exception:  # a command concerns one room: it must not end the thread
+                logger.exception("a KV transfer command failed")
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        frames = sock.recv_multipart()
+        if self.role == "prefill":
+            if len(frames) != 2 or (msg := _decode(frames[1])) is None:
+                return
+            self._on_prefill_message(frames[0], msg)
+        elif len(frames) == 1 and (msg := _decode(frames[0])) is not None:
+            self._on_decode_message(sock, msg)
+
+    # ---- prefill: peers, rooms, writes -----------------------------------------------------------
+    def _register_once(self) -> None:
+        """Tell this server's bootstrap server where this rank listens (it may start after us)."""
+        if self._registered or time.monotonic() < self._next_register:
+            return
+        host, port = self.args.bootstrap
+        body = {"endpoint": self.endpoint, **dataclasses.asdict(self.args.identity)}
+        try:
+            r = httpx.put(f"http://{host}:{port}/register", json=body, timeout=2,
+                          headers={"Authorization": f"Bearer {bootstrap_token(self.args.secret)}"})
+            self._registered = r.status_code == 200
+        except httpx.HTTPError:
+            pass
+        self._next_register = time.monotonic() + REGISTER_RETRY_S
+
+    def _on_prefill_message(self, identity: bytes, msg: SideMessage) -> None:
+        if isinstance(msg, Hello):
+            reply = self._hello(msg)
+            self._router.send_multipart([identity, _CODEC.encode(reply)])
+        elif isinstance(msg, RoomRequest):
+            link = self._peers.get(msg.decode_id)
+            sender = self._senders.get(msg.room)
+            if link is None:
+                return
+            link.identity_frame = identity
+            if sender is not None:
+                sender.add_target(msg, link)
+            else:
+                self._early.setdefault(msg.room, []).append((msg, link))
+        elif isinstance(msg, RoomAbort):
+            sender = self._senders.get(msg.room)
+            if sender is not None:
+                sender.fail(f"the decode side aborted room {msg.room}")
+
+    def _hello(self, msg: Hello) -> HelloReply:
+        theirs = RankIdentity(**msg.identity)
+        problems = self.args.identity.mismatches(theirs)
+        if problems:
+            logger.warning("refused decode rank %s: %s", msg.decode_id, "; ".join(problems))
+            return HelloReply(False, "the prefill and decode servers do not match: " + "; ".join(problems))
+        try:
+            self.backend.connect(msg.decode_id, msg.descriptor)
+        except Exception as exc:
+            return HelloReply(False, f"the prefill rank could not reach the decode rank's memory: {exc}")
+        self._peers[msg.decode_id] = _PeerLink(msg.decode_id, msg.kv_slots, b"")
+        return HelloReply(True)
+
+    def _add_sender(self, sender: KVSender) -> None:
+        self._senders[sender.room] = sender
+        for msg, link in self._early.pop(sender.room, []):
+            sender.add_target(msg, link)
+
+    def _start_writes(self, sender: KVSender, first_page: int, pages: list[int], last: bool) -> None:
+        if sender.state is KVPoll.Failed:
+            return
+        sender.state, sender.last_sent = KVPoll.Transferring, sender.last_sent or last
+        for target in sender.targets.values():
+            pieces = sender.pieces(target, first_page, pages, last)
+            handle = self.backend.write(target.link.decode_id, pieces)
+            self._writes.append(_InFlight(sender, handle, time.monotonic(), sum(p.length for p in pieces)))
+
+    def _check_writes(self) -> None:
+        pending = []
+        for write in self._writes:
+            state = self.backend.check(write.handle)
+            if state is KVPoll.Transferring:
+                pending.append(write)
+            elif state is KVPoll.Failed:
+                write.sender.fail("a KV write to the decode rank failed")
+            else:
+                self.stats.add(write.nbytes, time.monotonic() - write.started)
+        self._writes = pending
+        busy = {id(w.sender) for w in pending}
+        for sender in list(self._senders.values()):
+            if id(sender) not in busy and (sender.last_sent or sender.state is KVPoll.Failed):
+                self._finish_room(sender)
+
+    def _finish_room(self, sender: KVSender) -> None:
+        """Every write of the room has landed (or the room failed): tell each decode rank."""
+        ok = sender.state is not KVPoll.Failed
+        for target in sender.targets.values():
+            self._router.send_multipart([target.link.identity_frame,
+                                         _CODEC.encode(RoomDone(sender.room, ok, sender.message))])
+        sender.state = KVPoll.Success if ok else KVPoll.Failed
+        self.stats.transfers[sender.state.name.lower()] += 1
+        self._senders.pop(sender.room, None)
+
+    # ---- decode: routes, handshakes, rooms -------------------------------------------------------
+    def _start_receiver(self, receiver: KVReceiver, host: str, port: int, prefill_dp: int | None) -> None:
+        self._receivers[receiver.room] = receiver
+        try:
+            endpoint = self._route(host, port, receiver.room, prefill_dp)
+        except (httpx.HTTPError, LookupError, ValueError) as exc:
+            receiver.fail(f"the prefill server at {host}:{port} could not be reached: {exc}")
+            receiver.settled = True
+            return
+        dealer = self._dealers.get(endpoint)
+        if dealer is None:
+            dealer = self._dealers[endpoint] = _Dealer(connect(self.ctx, zmq.DEALER, endpoint, self.keys))
+            hello = Hello(self.decode_id, dataclasses.asdict(self.args.identity), self.backend.descriptor(),
+                          int(self.args.kv.shape[1]))
+            dealer.sock.send(_CODEC.encode(hello))
+        receiver.dealer = dealer
+        dealer.waiting.append(receiver)
+        if dealer.ready is not None:
+            self._settle(dealer)
+
+    def _route(self, host: str, port: int, room: int, prefill_dp: int | None) -> str:
+        layout = self._routes.get((host, port, -1))
+        if layout is None:
+            r = httpx.get(f"http://{host}:{port}/route", timeout=LOOKUP_TIMEOUT_S)
+            if r.status_code != 200:
+                raise LookupError(f"bootstrap answered {r.status_code}: {r.text}")
+            layout = r.json()
+            self._routes[(host, port, -1)] = layout
+        dp = room % layout["attn_dp_size"] if prefill_dp is None else prefill_dp
+        if not 0 <= dp < layout["attn_dp_size"]:
+            raise ValueError(f"prefill_dp_rank {dp} is not in [0, {layout['attn_dp_size']})")
+        return layout["endpoints"][dp]
+
+    def _on_decode_message(self, sock: zmq.Socket, msg: SideMessage) -> None:
+        if isinstance(msg, HelloReply):
+            dealer = next(d for d in self._dealers.values() if d.sock is sock)
+            dealer.ready, dealer.message = msg.ok, msg.message
+            self._settle(dealer)
+        elif isinstance(msg, RoomDone):
+            receiver = self._receivers.pop(msg.room, None)
+            if receiver is not None:
+                receiver.done(msg.ok, msg.message)
+                receiver.settled = True
+                self.stats.transfers["success" if msg.ok else "failed"] += 1
+
+    def _settle(self, dealer: _Dealer) -> None:
+        """The handshake with a prefill rank ended: its rooms may go on, or fail."""
+        for receiver in dealer.waiting:
+            if dealer.ready:
+                receiver.advance(KVPoll.WaitingForInput)
+            else:
+                receiver.fail(dealer.message)
+                receiver.settled = True
+        dealer.waiting.clear()
+
+    def _send_room(self, receiver: KVReceiver, page_indices: list[int], aux_index: int) -> None:
+        if receiver.state is KVPoll.Failed:  # aborted before the indices left
+            return
+        ident = self.args.identity
+        receiver.dealer.sock.send(_CODEC.encode(RoomRequest(
+            receiver.room, self.decode_id, ident.tp_rank, ident.attn_tp_size, page_indices, aux_index)))
+        receiver.requested = True
+
+    def _abort_room(self, receiver: KVReceiver) -> None:
+        """Tell the prefill rank; the room settles when it confirms (its writes in flight landed)."""
+        if not receiver.requested:
+            self._receivers.pop(receiver.room, None)
+            receiver.settled = True
+            return
+        receiver.dealer.sock.send(_CODEC.encode(RoomAbort(receiver.room, self.decode_id)))
+
+
+@dataclass
+class _PeerLink:
+    decode_id: str
+    kv_slots: int
+    identity_frame: bytes
+
+
+@dataclass
+class _Dealer:
+    sock: zmq.Socket
+    ready: bool | None = None
+    message: str = ""
+    waiting: list[KVReceiver] = field(default_factory=list)
+
+
+@dataclass
+class _InFlight:
+    sender: KVSender
+    handle: object
+    started: float
+    nbytes: int
+
+
+@dataclass
+class _Target:
+    link: _PeerLink
+    page_indices: list[int]
+    aux_index: int
+
+
+@dataclass
+class TransferStats:
+    """Finished transfers by result, bytes moved and time spent, for metrics."""
+
+    transfers: dict[str, int] = field(default_factory=lambda: {"success": 0, "failed": 0})
+    bytes: int = 0
+    seconds: float = 0.0
+    writes: int = 0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.seconds += seconds
+        self.writes += 1
+
+
+class KVSender:
+    """The prefill side of one room. Its pages are sent chunk by chunk (``send``); the room is
+    done when every decode TP rank has every piece. Only the manager's thread changes ``state``."""
+
+    def __init__(self, manager: KVManager, room: int, aux_index: int) -> None:
+        self.manager, self.room, self.aux_index = manager, room, aux_index
+        self.state = KVPoll.Bootstrapping
+        self.message = ""
+        self.targets: dict[int, _Target] = {}  # decode TP rank -> where its copy goes
+        self.last_sent = False
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    def add_target(self, msg: RoomRequest, link: _PeerLink) -> None:
+        if self.state is not KVPoll.Bootstrapping:
+            return
+        self.targets[msg.tp_rank] = _Target(link, msg.page_indices, msg.aux_index)
+        if len(self.targets) == msg.tp_size:
+            self.state = KVPoll.WaitingForInput
+
+    def send(self, first_page: int, pages: list[int], last: bool) -> None:
+        """Push prompt pages ``first_page ..`` (held in ``pages`` of this rank); with ``last``, the
+        aux record too (write it into ``aux[aux_index]`` first). Non-blocking."""
+        pages = list(pages)
+        self.manager._commands.put(lambda: self.manager._start_writes(self, first_page, pages, last))
+
+    def pieces(self, target: _Target, first_page: int, pages: list[int], last: bool) -> list[Piece]:
+        """Byte runs of every layer's pages, in this rank's buffers and the target's."""
+        kv, aux = self.manager.args.kv, self.manager.args.aux
+        layers, slots, dim = kv.shape
+        elt = kv.element_size()
+        page_bytes = self.manager.args.identity.page_size * dim * elt
+        src_layer, dst_layer = slots * dim * elt, target.link.kv_slots * dim * elt
+        dst_pages = target.page_indices[first_page:first_page + len(pages)]
+        pieces = [Piece(0, layer * src_layer + s * page_bytes, layer * dst_layer + d * page_bytes, n * page_bytes)
+                  for layer in range(layers) for s, d, n in _runs(pages, dst_pages)]
+        if last:
+            record = aux[0].numel() * aux.element_size()
+            pieces.append(Piece(1, self.aux_index * record, target.aux_index * record, record))
+        return pieces
+
+    def fail(self, message: str) -> None:
+        if self.state is not KVPoll.Success:
+            self.state, self.message = KVPoll.Failed, message
+
+    def abort(self) -> None:
+        self.manager._commands.put(lambda: self.fail("aborted on the prefill side"))
+
+
+class KVReceiver:
+    """The decode side of one room."""
+
+    def __init__(self, manager: KVManager, room: int) -> None:
+        self.manager, self.room = manager, room
+        self.state = KVPoll.Bootstrapping
+        self.message = ""
+        self.dealer: _Dealer | None = None
+        self.requested = False  # the prefill rank has this room's page indices
+        self.settled = False  # nothing of the prefill side will write into this room's pages any more
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    def init(self, page_indices: list[int], aux_index: int) -> None:
+        """Tell the prefill rank where this room's KV and aux record go."""
+        self.state = KVPoll.Transferring
+        self.manager._commands.put(lambda: self.manager._send_room(self, list(page_indices), aux_index))
+
+    def advance(self, state: KVPoll) -> None:
+        if self.state is not KVPoll.Failed and state > self.state:
+            self.state = state
+
+    def done(self, ok: bool, message: str) -> None:
+        if ok:
+            self.advance(KVPoll.Success)
+        else:
+            self.fail(message or "the prefill side failed the transfer")
+
+    def fail(self, message: str) -> None:
+        if self.state is not KVPoll.Success:
+            self.state, self.message = KVPoll.Failed, message
+
+    def abort(self) -> None:
+        self.fail("aborted")
+        self.manager._commands.put(lambda: self.manager._abort_room(self))
+
+
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """``(first src page, first dst page, pages)`` for the runs where both page lists go up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

@@ -1,0 +1,201 @@
+"""KV transfer over ``torch.distributed`` point-to-point, for machines where neither NIXL nor
+Mooncake is installed: each (prefill rank, decode rank) pair gets a gloo process group of its own,
+outside any server's world, rendezvousing through a store the decode rank hosts.
+
+A write sends a header (how many pieces, where each goes) and the pieces' bytes packed into one
+message; a thread of the decode rank receives it, scatters the bytes into its buffers and
+acknowledges, and the write counts as done only on that acknowledgement, so a finished write
+means the bytes are in the decode rank's memory. Tensors on a GPU are staged through host memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import socket
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moeserve.disagg.transfer.base import KVPoll, Piece, TransferBackend
+
+logger = logging.getLogger(__name__)
+GROUP_TIMEOUT_S = 120  # a peer that stops answering fails its transfers after this long
+ACCEPT_POLL_S = 0.01
+_TAG = 7
+
+
+def _byte_views(buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [b.view(-1).view(torch.uint8) for b in buffers]
+
+
+class _Write:
+    """One write's state, set by the peer's sender thread."""
+
+    def __init__(self, pieces: list[Piece]) -> None:
+        self.pieces, self.state = pieces, KVPoll.Transferring
+
+
+class _Peer:
+    """A prefill rank's link to one decode rank: the pair's group and a thread that sends the
+    queued writes in order (gloo completes a send only inside ``wait``, so someone must wait)."""
+
+    def __init__(self, group: dist.ProcessGroup, byte_views: list[torch.Tensor]) -> None:
+        self.group, self.bytes = group, byte_views
+        self.queue: queue.Queue[_Write | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="kv-torch-send")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (write := self.queue.get()) is not None:
+            try:
+                self._send(write.pieces)
+                write.state = KVPoll.Success
+            except RuntimeError as exc:
+                logger.warning("a transfer failed: %s", exc)
+                write.state = KVPoll.Failed
+                self._fail_queued()
+                return
+
+    def _send(self, pieces: list[Piece]) -> None:
+        meta = torch.tensor([[p.buffer, p.dst, p.length] for p in pieces], dtype=torch.int64).view(-1)
+        payload = torch.cat([self.bytes[p.buffer][p.src:p.src + p.length].cpu() for p in pieces])
+        for t in (torch.tensor([len(pieces)]), meta, payload):
+            self.group.send([t], 1, _TAG).wait()
+        self.group.recv([torch.empty(1, dtype=torch.int64)], 1, _TAG).wait()  # the decode rank has them
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                write = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if write is not None:
+                write.state = KVPoll.Failed
+
+    def stop(self) -> None:
+        self.queue.put(None)
+
+
+class TorchBackend(TransferBackend):
+    name = "torch"
+
+    def __init__(self, buffers: Sequence[torch.Tensor], host: str, ib_device: str | None = None) -> None:
+        super().__init__(buffers, host, ib_device)
+        self._bytes = _byte_views(self.buffers)
+        self._peers: dict[str, _Peer] = {}
+        self._store: dist.TCPStore | None = None
+        self._threads: list[threading.Thread] = []
+        self._inbound: list[dist.ProcessGroup] = []  # decode side: a group per prefill peer
+        self._closed = threading.Event()
+
+    # ---- decode side -------------------------------------------------------------------------
+    def descriptor(self) -> dict[str, Any]:
+        """Start hosting the rendezvous (once) and accepting prefill peers in a thread."""
+        if self._store is None:
+            listener = socket.create_server((self.host, 0))  # bound to the chosen host only
+            port = listener.getsockname()[1]
+            self._store = dist.TCPStore(self.host, port, None, True, timedelta(seconds=GROUP_TIMEOUT_S),
+                                        wait_for_workers=False, master_listen_fd=listener.detach())
+            self._spawn(self._accept_peers)
+        return {"store_host": self.host, "store_port": self._store.port}
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True, name=f"kv-{target.__name__}")
+        thread.start()
+        self._threads.append(thread)
+
+    def _accept_peers(self) -> None:
+        """A prefill peer announces itself by taking the next number from ``peers``."""
+        for k in itertools.count():
+            while self._store.add("peers", 0) <= k:
+                if self._closed.wait(ACCEPT_POLL_S):
+                    return
+            group = _pair_group(self._store, k, rank=1)
+            self._inbound.append(group)
+            self._spawn(self._receive_from, group)
+
+    def _receive_from(self, group: dist.ProcessGroup) -> None:
+        """Header, packed bytes, scatter, acknowledge; until the peer goes away."""
+        while not self._closed.is_set():
+            try:
+                count = torch.empty(1, dtype=torch.int64)
+                group.recv([count], 0, _TAG).wait()
+                meta = torch.empty(int(count) * 3, dtype=torch.int64)
+                group.recv([meta], 0, _TAG).wait()
+                rows = meta.view(-1, 3).tolist()
+                payload = torch.empty(sum(r[2] for r in rows), dtype=torch.uint8)
+                group.recv([payload], 0, _TAG).wait()
+                self._scatter(rows, payload)
+                group.send([torch.ones(1, dtype=torch.int64)], 0, _TAG).wait()
+            except RuntimeError as exc:
+                if not self._closed.is_set():
+                    logger.info("a prefill peer's transfer group ended: %s", exc)
+                return
+
+    def _scatter(self, rows: list[list[int]], payload: torch.Tensor) -> None:
+        offset = 0
+        for buffer, dst, length in rows:
+            target = self._bytes[buffer][dst:dst + length]
+            target.copy_(payload[offset:offset + length].to(target.device))
+            offset += length
+
+    # ---- prefill side ------------------------------------------------------------------------
+    def connect(self, peer: str, descriptor: dict[str, Any]) -> None:
+        store = dist.TCPStore(descriptor["store_host"], int(descriptor["store_port"]), None, False,
+                              timedelta(seconds=GROUP_TIMEOUT_S))
+        k = store.add("peers", 1) - 1
+        self._peers[peer] = _Peer(_pair_group(store, k, rank=0), self._bytes)
+
+    def write(self, peer: str, pieces: list[Piece]) -> object:
+        write = _Write(_merged(pieces))
+        link = self._peers.get(peer)
+        if link is None or not link.thread.is_alive():
+            write.state = KVPoll.Failed
+        else:
+            link.queue.put(write)
+        return write
+
+    def check(self, handle: object) -> KVPoll:
+        assert isinstance(handle, _Write)
+        return handle.state
+
+    def disconnect(self, peer: str) -> None:
+        link = self._peers.pop(peer, None)
+        if link is not None:
+            link.stop()
+            link.group.abort()
+            link.thread.join(timeout=5)
+
+    def close(self) -> None:
+        """Stop every thread: a gloo call still blocked when the process exits would abort it."""
+        self._closed.set()
+        for peer in list(self._peers):
+            self.disconnect(peer)
+        for group in [*self._inbound, *(link.group for link in self._peers.values())]:
+            group.abort()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+
+def _pair_group(store: dist.Store, k: int, rank: int) -> dist.ProcessGroup:
+    """The two-rank gloo group of pair ``k`` (prefill rank 0, decode rank 1), outside any world."""
+    prefixed = dist.PrefixStore(f"pair/{k}", store)
+    return dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=GROUP_TIMEOUT_S))
+
+
+def _merged(pieces: list[Piece]) -> list[Piece]:
+    """Adjacent pieces of one buffer that are contiguous on both sides, as one."""
+    out: list[Piece] = []
+    for p in pieces:
+        last = out[-1] if out else None
+        if last and last.buffer == p.buffer and last.src + last.length == p.src and last.dst + last.length == p.dst:
+            out[-1] = Piece(p.buffer, last.src, last.dst, last.length + p.length)
+        else:
+            out.append(p)
+    return out

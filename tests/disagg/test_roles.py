@@ -1,0 +1,86 @@
+"""The PD roles' queues, one prefill and one decode scheduler in one process (fake data path):
+greedy tokens equal the monolithic engine's and every page and slot comes back."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from tests.disagg.pd_utils import ENGINE, bootstrap_server, pd_scheduler, run_pair
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def _prompts(lens, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 320, (n,), generator=gen).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def model_path(hf_model_path):
+    return hf_model_path("v3", 0)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    with LLM(model_path, **ENGINE) as llm:
+        return [o.token_ids for o in llm.generate(_prompts([7, 30, 45, 3]), GREEDY, use_tqdm=False)]
+
+
+def _settle(*scheds, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while any(s.role.num_pending for s in scheds) and time.monotonic() < deadline:
+        for s in scheds:
+            s.step()
+        time.sleep(0.001)
+
+
+def test_pd_queues_give_the_monolithic_tokens(model_path, reference, tmp_path):
+    secret = str(tmp_path / "secret")
+    with bootstrap_server(secret) as (port, _):
+        prefill = pd_scheduler(model_path, "prefill", "fake", port, secret)
+        decode = pd_scheduler(model_path, "decode", "fake", port, secret)
+        try:
+            reqs = run_pair(prefill, decode, _prompts([7, 30, 45, 3]), GREEDY, port)  # 30, 45 > chunk of 16
+            _settle(prefill, decode)
+            assert [r.output_ids for r in reqs] == reference
+            for sched in (prefill, decode):
+                assert sched.pages.num_used == 0 and sched.num_requests == 0 and sched.role.num_pending == 0
+            assert prefill.role.aux.num_free == decode.role.aux.num_free == 4 * 256
+            stats = prefill.role.manager.stats
+            assert stats.transfers == {"success": 4, "failed": 0} and stats.bytes > 0
+        finally:
+            prefill.role.close()
+            decode.role.close()
+
+
+def test_a_failed_write_fails_the_request_on_both_sides(model_path, tmp_path):
+    secret = str(tmp_path / "secret")
+    with bootstrap_server(secret) as (port, _):
+        prefill = pd_scheduler(model_path, "prefill", "fake", port, secret)
+        decode = pd_scheduler(model_path, "decode", "fake", port, secret)
+        prefill.role.manager.backend.fail_writes = True
+        try:
+            reqs = run_pair(prefill, decode, _prompts([9]), GREEDY, port)
+            _settle(prefill, decode)
+            assert reqs[0].finish_reason.value == "error" and "failed" in reqs[0].finish_message
+            assert prefill.pages.num_used == decode.pages.num_used == 0
+            assert prefill.num_requests == decode.num_requests == 0
+        finally:
+            prefill.role.close()
+            decode.role.close()
+
+
+def test_a_request_without_bootstrap_info_is_refused(model_path, tmp_path):
+    secret = str(tmp_path / "secret")
+    with bootstrap_server(secret) as (port, _):
+        prefill = pd_scheduler(model_path, "prefill", "fake", port, secret)
+        try:
+            with pytest.raises(ValueError, match="bootstrap_room"):
+                prefill.add_request("x", [5, 6, 7], GREEDY)
+            assert prefill.num_requests == 0
+        finally:
+            prefill.role.close()
