@@ -15,6 +15,7 @@ from moeserve.disagg.transfer.manager import KVArgs, KVManager, RankIdentity
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.executor.model_runner import ModelRunner
 
+
 def prefill_role(config: EngineConfig, groups: ParallelGroups, runner: ModelRunner) -> PrefillRole:
     return PrefillRole(_manager("prefill", config, groups, runner), _aux_slots(config))
 

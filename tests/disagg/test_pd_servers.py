@@ -75,7 +75,7 @@ def test_pd_servers_answer_like_one_server(model_path, monolithic, tmp_path, bac
         assert [c["text"] for c in got["choices"]] == [c["text"] for c in _mono(monolithic, "/v1/completions",
                                                                                  body)["choices"]]
         for srv in (prefill, decode):
-            assert wait_for(lambda: metric(srv.base_url, "moeserve:kv_pages_used") == 0)
+            assert wait_for(lambda url=srv.base_url: metric(url, "moeserve:kv_pages_used") == 0)
         assert metric(prefill.base_url, "moeserve:kv_transfers", result="success") == len(PROMPTS) + 3
         assert metric(prefill.base_url, "moeserve:kv_transfer_bytes") > 0
     finally:
