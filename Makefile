@@ -13,7 +13,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH_PIN) $(TRANSFORMERS_PIN)
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,nixl,mooncake-cpu]'
 	touch $@
 
 setup: $(BIN)/.installed
@@ -23,6 +23,7 @@ test: setup
 
 demo: setup
 	$(BIN)/moeserve demo
+	$(BIN)/moeserve demo --pd
 
 clean:
 	rm -rf $(VENV) .pytest_cache

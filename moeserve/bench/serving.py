@@ -26,10 +26,10 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-__all__ = ["add_serving_args", "arrival_offsets", "latency_stats", "percentile", "run_serving_benchmark",
+__all__ = ["add_serving_args", "add_workload_args", "arrival_offsets", "latency_stats", "percentile", "run_serving_benchmark",
            "sample_random_requests"]
 
-DATASETS = ("random",)
+DATASETS = ("random", "mixed")
 FALLBACK_VOCAB_SIZE = 256
 MIN_TOKEN_ID = 10  # low ids are usually special tokens (BOS/EOS/pad); keep them out of prompts
 STAT_NAMES = ("mean", "median", "p90", "p99", "std")
@@ -48,6 +48,11 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:30000")
     p.add_argument("--model", default=None, help="model name to send (default: first id from GET /v1/models)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    add_workload_args(p)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The flags that say what load to send (every ``bench serving`` flag but where to)."""
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrival rate in requests/s (default inf: send all at once)")
@@ -57,6 +62,11 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--random-output-len", type=int, default=128, help="longest output (max_tokens)")
     p.add_argument("--random-range-ratio", type=float, default=1.0,
                    help="lengths are uniform in [ratio * len, len]")
+    p.add_argument("--mixed-long-fraction", type=float, default=0.25,
+                   help="--dataset mixed: the share of long-prompt requests among the random ones")
+    p.add_argument("--mixed-long-input-len", type=int, default=None,
+                   help="--dataset mixed: their prompt length (default 8 x --random-input-len); they ask for "
+                        "4 tokens, so they are nearly all prefill, arriving among requests that decode")
     p.add_argument("--seed", type=int, default=1, help="seeds the prompts and the arrival times")
     p.add_argument("--output-json", default=None, help="write summary and per-request records here")
     p.add_argument("--plot", default=None, help="save latency distributions to this PNG")
@@ -77,6 +87,8 @@ class ServingBenchConfig:
     random_input_len: int
     random_output_len: int
     random_range_ratio: float
+    mixed_long_fraction: float
+    mixed_long_input_len: int | None
     seed: int
     output_json: str | None
     plot: str | None
@@ -91,6 +103,8 @@ class ServingBenchConfig:
             "random_input_len and random_output_len must be >= 1":
                 min(self.random_input_len, self.random_output_len) >= 1,
             "random_range_ratio must be in [0, 1]": 0.0 <= self.random_range_ratio <= 1.0,
+            "mixed_long_fraction must be in [0, 1]": 0.0 <= self.mixed_long_fraction <= 1.0,
+            "mixed_long_input_len must be >= 1": self.mixed_long_input_len is None or self.mixed_long_input_len >= 1,
         }
         for message, ok in checks.items():
             if not ok:
@@ -151,6 +165,22 @@ def sample_random_requests(num_prompts: int, input_len: int, output_len: int, ra
 
     ids = range(MIN_TOKEN_ID, vocab_size)
     return [BenchRequest(rng.choices(ids, k=length(input_len)), length(output_len)) for _ in range(num_prompts)]
+
+
+MIXED_LONG_OUTPUT_LEN = 4
+
+
+def sample_mixed_requests(cfg: ServingBenchConfig, vocab_size: int, rng: random.Random) -> list[BenchRequest]:
+    """``random`` requests, of which a ``mixed_long_fraction`` share (at random positions) instead
+    has a long prompt and a short output: prefills that arrive while the others decode."""
+    reqs = sample_random_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len,
+                                  cfg.random_range_ratio, vocab_size, rng)
+    long_len = cfg.mixed_long_input_len or 8 * cfg.random_input_len
+    ids = range(MIN_TOKEN_ID, vocab_size)
+    for i in range(len(reqs)):
+        if rng.random() < cfg.mixed_long_fraction:
+            reqs[i] = BenchRequest(rng.choices(ids, k=long_len), MIXED_LONG_OUTPUT_LEN)
+    return reqs
 
 
 def arrival_offsets(num_requests: int, rate: float, rng: random.Random) -> list[float]:
@@ -300,8 +330,10 @@ async def _benchmark(cfg: ServingBenchConfig) -> tuple[str, list[RequestResult],
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=_TIMEOUT) as client:
         model = cfg.model or await fetch_model_id(client, cfg.base_url)
         vocab_size = await fetch_vocab_size(client, cfg.base_url)
-        requests = sample_random_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len,
-                                          cfg.random_range_ratio, vocab_size, random.Random(cfg.seed))
+        rng = random.Random(cfg.seed)
+        requests = (sample_mixed_requests(cfg, vocab_size, rng) if cfg.dataset == "mixed" else
+                    sample_random_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len,
+                                           cfg.random_range_ratio, vocab_size, rng))
         results, duration = await _run_requests(client, cfg, model, requests)
     return model, results, duration
 

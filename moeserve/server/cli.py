@@ -139,6 +139,19 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from moeserve.bench.transfer import run_transfer_benchmark
+
+    print(run_transfer_benchmark(args))
+    return 0
+
+
+def cmd_bench_pd(args: argparse.Namespace) -> int:
+    from moeserve.bench.pd import run_pd_benchmark
+
+    return run_pd_benchmark(args)
+
+
 def cmd_bench_dispatch(args: argparse.Namespace) -> int:
     from moeserve.bench.dispatch import run_dispatch_benchmark
 
@@ -147,9 +160,9 @@ def cmd_bench_dispatch(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from moeserve.server.demo import run_demo
+    from moeserve.server.demo import run_demo, run_pd_demo
 
-    return run_demo()
+    return run_pd_demo() if args.pd else run_demo()
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -208,11 +221,27 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--only", default=None, help="run the cases whose name contains this")
     kernels.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     kernels.set_defaults(func=cmd_bench_kernels)
+    transfer = bench.add_parser("transfer", help="KV transfer bandwidth of each backend between two processes")
+    from moeserve.bench.transfer import add_transfer_args
+
+    add_transfer_args(transfer)
+    transfer.set_defaults(func=cmd_bench_transfer)
+    pd_bench = bench.add_parser("pd", help="a monolithic server and a PD deployment under the same load, side by side")
+    from moeserve.bench.pd import add_pd_bench_args
+
+    add_pd_bench_args(pd_bench)
+    pd_bench.set_defaults(func=cmd_bench_pd)
     dispatch = bench.add_parser("dispatch", help="EP dispatch/combine bandwidth and latency over several GPUs")
     from moeserve.bench.dispatch import add_dispatch_args
 
     add_dispatch_args(dispatch)
     dispatch.set_defaults(func=cmd_bench_dispatch)
+
+    router = sub.add_parser("router", help="the prefill/decode disaggregation router in front of PD servers")
+    from moeserve.server.router import add_router_args, run_router
+
+    add_router_args(router)
+    router.set_defaults(func=run_router)
 
     plan = sub.add_parser("plan", help="per-rank memory of a deployment layout; the memory-optimal dense TP")
     from moeserve.planner import add_plan_args, run_plan
@@ -221,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=run_plan)
 
     demo = sub.add_parser("demo", help="serve the shipped chat model, chat with it, benchmark it, stop")
+    demo.add_argument("--pd", action="store_true", help="prefill and decode servers behind the PD router instead")
     demo.set_defaults(func=cmd_demo)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random DeepSeek checkpoint")

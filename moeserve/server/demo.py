@@ -60,6 +60,28 @@ def _bench(base_url: str) -> None:
                                              "--random-input-len", "24", "--random-output-len", "8"]))
 
 
+def _pd_backend() -> str:
+    """NIXL where it imports (``make setup`` installs it), else torch.distributed."""
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "nixl"
+
+
+def run_pd_demo() -> int:
+    from moeserve.server import procs
+
+    backend = _pd_backend()
+    print(f"starting one prefill server, one decode server (KV over {backend}) and the PD router ...")
+    with procs.running(procs.pd_deployment([], [], [], backend)) as deployment:
+        router = deployment[-1]
+        print(f"chat through the router at {router.url}:")
+        _chat(router.url)
+    print("\nprefill, decode and router stopped")
+    return 0
+
+
 def run_demo() -> int:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"

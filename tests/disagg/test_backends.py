@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from moeserve.disagg.transfer.base import KVPoll, Piece, create_backend
-from tests.disagg.backend_pair import buffers, expected_decode_buffers, run_pair
+from tests.disagg.backend_pair import backend_available, buffers, expected_decode_buffers, run_pair
 
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-BACKENDS = [
-    pytest.param("torch", id="torch"),
-    pytest.param("nixl", id="nixl", marks=pytest.mark.skipif(not _installed("nixl"), reason="nixl not installed")),
-    pytest.param("mooncake", id="mooncake",
-                 marks=pytest.mark.skipif(not _installed("mooncake"), reason="mooncake not installed")),
-]
+BACKENDS = [pytest.param(name, id=name, marks=pytest.mark.skipif(not backend_available(name), reason=f"{name} "
+                                                                   "cannot be imported here"))
+            for name in ("torch", "nixl", "mooncake")]
 
 
 @pytest.mark.parametrize("name", BACKENDS)

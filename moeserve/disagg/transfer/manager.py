@@ -168,7 +168,11 @@ class KVManager:
             self._receivers: dict[int, KVReceiver] = {}
 
     # ---- the scheduler's side ------------------------------------------------------------------
-    def sender(self, room: int, aux_index: int) -> KVSender:
+    def sender(self, room: int, aux_index: int) -> KVSender | MirrorSender:
+        """The room's sender. Only the first rank of an attention-TP group sends (its latent copy
+        serves every decode rank); the others follow along with a ``MirrorSender``."""
+        if self.args.identity.tp_rank != 0:
+            return MirrorSender(room)
         sender = KVSender(self, room, aux_index)
         self._commands.put(lambda: self._add_sender(sender))
         return sender
@@ -479,6 +483,24 @@ class KVSender:
 
     def abort(self) -> None:
         self.manager._commands.put(lambda: self.fail("aborted on the prefill side"))
+
+
+class MirrorSender:
+    """A sender of a rank that sends nothing: ready at once, done once its last chunk is "sent".
+    The group's states are agreed as minimums, so the first rank's state is the group's."""
+
+    def __init__(self, room: int) -> None:
+        self.room, self.state, self.message = room, KVPoll.WaitingForInput, ""
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    def send(self, first_page: int, pages: list[int], last: bool) -> None:
+        if last and self.state is not KVPoll.Failed:
+            self.state = KVPoll.Success
+
+    def abort(self) -> None:
+        self.state = KVPoll.Failed
 
 
 class KVReceiver:
