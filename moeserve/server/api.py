@@ -9,7 +9,6 @@ off the event loop). Every error has the OpenAI envelope ``{"error": {...}}``.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +29,7 @@ from moeserve.models.tokenizer import Tokenizer
 from moeserve.scheduler.validation import check_request
 from moeserve.server import openai_serving as oai
 from moeserve.server.engine_client import EngineClient, EngineError, Ticket
+from moeserve.server.http import APIKeyAuth, error_body, error_json
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 DISCONNECT_POLL_S = 0.2
@@ -37,7 +37,6 @@ DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 # texts up to this many characters are tokenized on the event loop (well under a millisecond);
 # longer ones in a worker thread, where the tokenizer releases the GIL
 INLINE_TOKENIZE_CHARS = 4096
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key
 
 
 @dataclass(frozen=True)
@@ -152,15 +151,6 @@ class ServerState:
         return self.client.admit(places)
 
 
-def error_body(status: int, message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
-
-
-def error_json(status: int, message: str, kind: str = "invalid_request_error",
-               headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, kind), status_code=status, headers=headers)
-
-
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -239,24 +229,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         return error_json(500, f"internal error: {type(exc).__name__}", "server_error")
-
-
-class APIKeyAuth:
-    """``Authorization: Bearer KEY`` on every path but ``OPEN_PATHS``, compared in constant time.
-
-    Plain ASGI (not ``BaseHTTPMiddleware``), so the app still sees the client's disconnect."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                await error_json(401, "invalid or missing API key", "authentication_error")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class BodyLimit:

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI
@@ -21,6 +21,7 @@ from moeserve.models.tokenizer import load_tokenizer
 from moeserve.scheduler.ranks import RankAddresses, RankProcesses
 from moeserve.server.api import ServerConfig, ServerState, build_app
 from moeserve.server.engine_client import EngineClient
+from moeserve.server.http import SignalledServer
 from moeserve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -126,19 +127,5 @@ def _http_server(state: ServerState, ranks: RankProcesses, bootstrap: BootstrapS
     app = build_app(state, lifespan)
     config = uvicorn.Config(app, host=state.server.host, port=state.server.port, log_level="info",
                             timeout_graceful_shutdown=5)
-    server = _Server(config)
+    server = SignalledServer(config)
     return server
-
-
-class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, which would end this process
-    before it stops the engine; here the signal only starts the shutdown and ``serve`` returns."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)

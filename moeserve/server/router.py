@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import secrets
-import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -35,14 +33,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
+
+from moeserve.server.http import APIKeyAuth, SignalledServer, error_body, error_json
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POLICIES = ("round_robin", "least_load")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key
 DEFAULT_BOOTSTRAP_PORT = 8998
 UNHEALTHY_AFTER_FAILURES = 2  # one lost health check is not enough to take a worker out
 HEALTH_CHECK_TIMEOUT_S = 5.0
@@ -172,16 +171,6 @@ class _Metrics:
         return generate_latest(self.registry)
 
 
-def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
-    """The OpenAI error envelope (a few lines of our own: ``api.error_body`` would import the engine)."""
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
-
-
-def _error(status: int, message: str, kind: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, kind), status_code=status, headers=headers)
-
-
 @dataclass(frozen=True)
 class _Failure:
     """A leg's error as the client gets it: the worker's own answer when it sent one."""
@@ -292,18 +281,18 @@ class Router:
         answer = await _unless_disconnected(request, exchange.answer())
         if answer is None:
             exchange.close("disconnected")
-            return _error(499, "client disconnected")
+            return error_json(499, "client disconnected")
         return answer
 
     def _refuse(self, path: str, outcome: str, status: int, message: str) -> JSONResponse:
         self.metrics.requests.labels(path, outcome).inc()
-        return _error(status, message)
+        return error_json(status, message)
 
     async def models(self) -> Response:
         """The first healthy decode worker's model list: the decode servers are the ones that answer."""
         decode = next((w for w in self.decode.workers if w.healthy), None)
         if decode is None:
-            return _error(503, "no healthy decode worker")
+            return error_json(503, "no healthy decode worker")
         try:
             response = await self.http.get(decode.url + "/v1/models", headers=self.auth)
         except httpx.HTTPError as exc:
@@ -443,23 +432,6 @@ class _Relay(StreamingResponse):
             self.exchange.close("disconnected")  # a no-op when the stream ended on its own
 
 
-class _APIKeyAuth:
-    """``Authorization: Bearer KEY`` on every path but ``OPEN_PATHS``, compared in constant time. Plain ASGI
-    (not ``BaseHTTPMiddleware``), so that the routes still see the client's disconnect."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                await _error(401, "invalid or missing API key", "authentication_error")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_router_app(config: RouterConfig) -> FastAPI:
     """The router as an ASGI app; its lifespan runs the health checks. ``app.state.router`` is its state."""
     router = Router(config)
@@ -476,19 +448,19 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     app.state.router = router
     _install_error_handlers(app)
     if config.api_key:
-        app.add_middleware(_APIKeyAuth, api_key=config.api_key)
+        app.add_middleware(APIKeyAuth, api_key=config.api_key)
     _add_routes(app, router)
     return app
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))  # 404, 405 …
+    async def httperror_json(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_json(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))  # 404, 405 …
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return _error(500, f"internal error: {type(exc).__name__}")
+        return error_json(500, f"internal error: {type(exc).__name__}")
 
 
 def _add_routes(app: FastAPI, router: Router) -> None:
@@ -565,19 +537,5 @@ def run_router(args: argparse.Namespace) -> int:
                 ", ".join(config.decode), config.policy)
     uv = uvicorn.Config(build_router_app(config), host=config.host, port=config.port, log_level="info",
                         timeout_graceful_shutdown=5)
-    _Server(uv).run()
+    SignalledServer(uv).run()
     return 0
-
-
-class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, which would end the process with the
-    signal's status; here the signal only starts the shutdown, and ``run_router`` returns 0."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)

@@ -12,7 +12,7 @@ import pytest
 from moeserve.config import ParallelConfig, build_engine_config
 from moeserve.models.tiny_chat import embedded_model_path
 from moeserve.scheduler.ranks import RankAddresses
-from moeserve.server import api
+from moeserve.server import http
 from moeserve.server.api import GuardedStream, ServerConfig, ServerState, build_app
 from moeserve.server.engine_client import EngineClient
 from moeserve.server.metrics import Metrics
@@ -104,7 +104,7 @@ def test_the_api_key_is_compared_in_constant_time(make_state, monkeypatch):
         calls.append((a, b))
         return a == b
 
-    monkeypatch.setattr(api.hmac, "compare_digest", compare)
+    monkeypatch.setattr(http.hmac, "compare_digest", compare)
 
     async def scenario() -> list[int]:
         async with _client(state) as http:

@@ -239,7 +239,7 @@ class KVManager:
         host, port = self.args.bootstrap
         body = {"endpoint": self.endpoint, **dataclasses.asdict(self.args.identity)}
         try:
-            r = httpx.put(f"http://{host}:{port}/register", json=body, timeout=2,
+            r = httpx.put(f"{_http(host, port)}/register", json=body, timeout=2,
                           headers={"Authorization": f"Bearer {bootstrap_token(self.args.secret)}"})
             self._registered = r.status_code == 200
         except httpx.HTTPError:
@@ -341,7 +341,7 @@ class KVManager:
     def _route(self, host: str, port: int, room: int, prefill_dp: int | None) -> str:
         layout = self._routes.get((host, port, -1))
         if layout is None:
-            r = httpx.get(f"http://{host}:{port}/route", timeout=LOOKUP_TIMEOUT_S)
+            r = httpx.get(f"{_http(host, port)}/route", timeout=LOOKUP_TIMEOUT_S)
             if r.status_code != 200:
                 raise LookupError(f"bootstrap answered {r.status_code}: {r.text}")
             layout = r.json()
@@ -539,6 +539,10 @@ class KVReceiver:
     def abort(self) -> None:
         self.fail("aborted")
         self.manager._commands.put(lambda: self.manager._abort_room(self))
+
+
+def _http(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
