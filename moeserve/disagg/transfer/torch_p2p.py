@@ -169,7 +169,7 @@ class TorchBackend(TransferBackend):
         link = self._peers.pop(peer, None)
         if link is not None:
             link.stop()
-            link.group.abort()
+            _abort(link.group)
             link.thread.join(timeout=5)
 
     def close(self) -> None:
@@ -177,10 +177,17 @@ class TorchBackend(TransferBackend):
         self._closed.set()
         for peer in list(self._peers):
             self.disconnect(peer)
-        for group in [*self._inbound, *(link.group for link in self._peers.values())]:
-            group.abort()
+        for group in self._inbound:
+            _abort(group)
         for thread in self._threads:
             thread.join(timeout=5)
+
+
+def _abort(group: dist.ProcessGroup) -> None:
+    """Make the group's blocked calls return (older torch has no ``abort`` on gloo groups)."""
+    abort = getattr(group, "abort", None)
+    if abort is not None:
+        abort()
 
 
 def _pair_group(store: dist.Store, k: int, rank: int) -> dist.ProcessGroup:

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Prefill/decode disaggregation on one GPU: KV transfer bandwidth of the torch backend, then a
+# monolithic server against a prefill server + a decode server + the router (both on this one
+# GPU, memory split between them) under the same mixed load, DeepSeek-V3 shapes, 4 layers, FP8,
+# random weights:
+#
+#   OUT=/some/dir bash tools/pd_gpu.sh
+#
+# The image lacks the HTTP stack (fastapi, uvicorn, pyzmq, msgspec): carry their cp312 wheels in
+# tmp/wheels (`pip download --only-binary=:all: --python-version 3.12 -d tmp/wheels fastapi uvicorn
+# pyzmq msgspec`); they are installed into /tmp/site. Writes $OUT/pd_gpu.log and JSON / PNG files.
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+set -uo pipefail
+OUT="${OUT:-$PWD/tmp/pd_gpu}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/pd_gpu.log") 2>&1
+source "$(dirname "$0")/step.sh"
+status=0
+if [ -d tmp/wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site tmp/wheels/*.whl || status=1
+fi
+MODEL=/tmp/dsv3-4l
+python3 - "$MODEL" <<'PY'
+import json, os, sys
+from moeserve.planner import PRESETS
+hf = {k: v for k, v in PRESETS["dsv3"].items() if k != "quantization_config"}
+hf.update(num_hidden_layers=4, first_k_dense_replace=1, architectures=["DeepseekV3ForCausalLM"])
+os.makedirs(sys.argv[1], exist_ok=True)
+json.dump(hf, open(os.path.join(sys.argv[1], "config.json"), "w"))
+PY
+echo "=== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+step transfer "${TRANSFER_LIMIT:-120}" python3 -m moeserve.server.cli bench transfer --backend torch --device cuda \
+    --json "$OUT/transfer_gpu.json"
+SERVER="--model-path $MODEL --load-format dummy --device cuda --quantization fp8 --context-length 8192 \
+--max-running-requests 256 --cuda-graph-max-bs 256 --chunked-prefill-size 8192"
+step pd "${PD_LIMIT:-480}" python3 -m moeserve.server.cli bench pd --server-args "$SERVER" \
+    --monolithic-args "--mem-fraction-static 0.85" --prefill-args "--mem-fraction-static 0.42" \
+    --decode-args "--mem-fraction-static 0.85" --transfer-backend torch --log-dir "$OUT" \
+    --num-prompts "${PROMPTS:-256}" --request-rate "${RATE:-16}" --random-input-len 256 --random-output-len 256 \
+    --random-range-ratio 0.5 --mixed-long-fraction 0.2 --mixed-long-input-len 4096 --disable-tqdm \
+    --output-json "$OUT/pd_gpu.json" --plot "$OUT/pd_gpu.png"
+echo "=== done, status $status"
+exit $status
