@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import tempfile
 from typing import Any
@@ -37,9 +38,9 @@ def _model_args(args: argparse.Namespace) -> list[str]:
     return (["--model-path", args.model_path] if args.model_path else []) + shlex.split(args.server_args)
 
 
-def _bench(args: argparse.Namespace, url: str, name: str) -> dict[str, Any]:
+def _bench(args: argparse.Namespace, url: str, name: str, log_dir: str) -> dict[str, Any]:
     run = argparse.Namespace(**vars(args), base_url=url, model=None, api_key=None)
-    run.output_json = f"{args.output_json}.{name}.json" if args.output_json else None
+    run.output_json = os.path.join(log_dir, f"{name}.json")  # every request's record, beside the logs
     run.plot = None
     print(f"\n--- {name} ---", flush=True)
     return run_serving_benchmark(run)
@@ -47,14 +48,15 @@ def _bench(args: argparse.Namespace, url: str, name: str) -> dict[str, Any]:
 
 def run_pd_benchmark(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="moeserve-bench-pd-")
+    os.makedirs(log_dir, exist_ok=True)
     model = _model_args(args)
     with procs.running([procs.start("monolithic", ["serve", *model, *shlex.split(args.monolithic_args)],
                                     log_dir)]) as (mono,):
-        monolithic = _bench(args, mono.url, "monolithic")
+        monolithic = _bench(args, mono.url, "monolithic", log_dir)
     deployment = procs.pd_deployment(model, shlex.split(args.prefill_args), shlex.split(args.decode_args),
                                      args.transfer_backend, log_dir)
     with procs.running(deployment):
-        disaggregated = _bench(args, deployment[-1].url, "disaggregated")
+        disaggregated = _bench(args, deployment[-1].url, "disaggregated", log_dir)
     results = {"monolithic": monolithic, "disaggregated": disaggregated}
     print("\n" + format_side_by_side(results))
     if args.output_json:

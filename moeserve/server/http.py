@@ -13,6 +13,11 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key
+# How long the servers keep an idle connection open, and how long the router reuses one: the router
+# must drop a pooled connection well before the server may close it, or a request sent on it just
+# as the server closes it fails (a ReadError seen under a burst with uvicorn's default of 5 s).
+SERVER_KEEP_ALIVE_S = 30
+CLIENT_KEEP_ALIVE_S = 10
 
 
 def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:

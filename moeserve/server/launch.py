@@ -21,7 +21,7 @@ from moeserve.models.tokenizer import load_tokenizer
 from moeserve.scheduler.ranks import RankAddresses, RankProcesses
 from moeserve.server.api import ServerConfig, ServerState, build_app
 from moeserve.server.engine_client import EngineClient
-from moeserve.server.http import SignalledServer
+from moeserve.server.http import SERVER_KEEP_ALIVE_S, SignalledServer
 from moeserve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,6 @@ def _http_server(state: ServerState, ranks: RankProcesses, bootstrap: BootstrapS
 
     app = build_app(state, lifespan)
     config = uvicorn.Config(app, host=state.server.host, port=state.server.port, log_level="info",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=SERVER_KEEP_ALIVE_S)
     server = SignalledServer(config)
     return server

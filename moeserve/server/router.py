@@ -35,7 +35,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from moeserve.server.http import APIKeyAuth, SignalledServer, error_body, error_json
+from moeserve.server.http import (
+    CLIENT_KEEP_ALIVE_S,
+    SERVER_KEEP_ALIVE_S,
+    APIKeyAuth,
+    SignalledServer,
+    error_body,
+    error_json,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -221,7 +228,8 @@ class Router:
         # trust_env=False: an HTTP(S)_PROXY meant for the outside world must not sit between router and workers
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)), trust_env=False,
-            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS))
+            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS,
+                                keepalive_expiry=CLIENT_KEEP_ALIVE_S))
         self.auth = {"authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else {}
         self._tasks: set[asyncio.Task] = set()
 
@@ -288,13 +296,14 @@ class Router:
         self.metrics.requests.labels(path, outcome).inc()
         return error_json(status, message)
 
-    async def models(self) -> Response:
-        """The first healthy decode worker's model list: the decode servers are the ones that answer."""
+    async def ask_decode(self, path: str) -> Response:
+        """The first healthy decode worker's answer to ``GET path`` (the model list, the model info):
+        the decode servers are the ones that answer clients."""
         decode = next((w for w in self.decode.workers if w.healthy), None)
         if decode is None:
             return error_json(503, "no healthy decode worker")
         try:
-            response = await self.http.get(decode.url + "/v1/models", headers=self.auth)
+            response = await self.http.get(decode.url + path, headers=self.auth)
         except httpx.HTTPError as exc:
             return _Failure.raised(decode, exc).response()
         return Response(response.content, response.status_code, media_type=response.headers.get("content-type"))
@@ -469,7 +478,11 @@ def _add_routes(app: FastAPI, router: Router) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return await router.models()
+        return await router.ask_decode("/v1/models")
+
+    @app.get("/get_model_info")
+    async def model_info() -> Response:
+        return await router.ask_decode("/get_model_info")
 
     @app.get("/health")
     async def health() -> Response:
@@ -536,6 +549,6 @@ def run_router(args: argparse.Namespace) -> int:
     logger.info("routing to prefill %s and decode %s (%s)", ", ".join(f"{u} (bootstrap {p})" for u, p in config.prefill),
                 ", ".join(config.decode), config.policy)
     uv = uvicorn.Config(build_router_app(config), host=config.host, port=config.port, log_level="info",
-                        timeout_graceful_shutdown=5)
+                        timeout_graceful_shutdown=5, timeout_keep_alive=SERVER_KEEP_ALIVE_S)
     SignalledServer(uv).run()
     return 0

@@ -30,16 +30,17 @@ def backend_available(name: str) -> bool:
     return True
 
 
-def buffers(fill: float) -> list[torch.Tensor]:
+def buffers(fill: float, device: str = "cpu") -> list[torch.Tensor]:
     """A KV cache [layers, slots, dim] (bf16) and aux records [slots, width] (float64)."""
-    kv = torch.full((LAYERS, SLOTS, DIM), fill, dtype=torch.bfloat16)
-    aux = torch.full((AUX_SLOTS, AUX_WIDTH), fill, dtype=torch.float64)
+    kv = torch.full((LAYERS, SLOTS, DIM), fill, dtype=torch.bfloat16, device=device)
+    aux = torch.full((AUX_SLOTS, AUX_WIDTH), fill, dtype=torch.float64, device=device)
     return [kv, aux]
 
 
-def _source() -> list[torch.Tensor]:
+def _source(device: str = "cpu") -> list[torch.Tensor]:
     kv = torch.arange(LAYERS * SLOTS * DIM, dtype=torch.float32).remainder(251).to(torch.bfloat16)
-    return [kv.view(LAYERS, SLOTS, DIM), torch.arange(AUX_SLOTS * AUX_WIDTH, dtype=torch.float64).view(AUX_SLOTS, -1)]
+    aux = torch.arange(AUX_SLOTS * AUX_WIDTH, dtype=torch.float64).view(AUX_SLOTS, -1)
+    return [kv.view(LAYERS, SLOTS, DIM).to(device), aux.to(device)]
 
 
 def _pieces():
@@ -65,26 +66,26 @@ def expected_decode_buffers() -> list[torch.Tensor]:
     return [kv, aux]
 
 
-def _decode(name: str, conn, written, read) -> None:
+def _decode(name: str, conn, written, read, device: str) -> None:
     try:
         from moeserve.disagg.transfer.base import create_backend
 
-        bufs = buffers(-1.0)
+        bufs = buffers(-1.0, device)
         backend = create_backend(name, bufs, "127.0.0.1")
         conn.send(("descriptor", backend.descriptor()))
         assert written.wait(TIMEOUT_S), "the prefill side never finished"
-        conn.send(("buffers", [b.clone() for b in bufs]))
+        conn.send(("buffers", [b.cpu() for b in bufs]))
         assert read.wait(TIMEOUT_S)  # stay alive until the parent has read
         backend.close()
     except Exception:
         conn.send(("error", traceback.format_exc()))
 
 
-def _prefill(name: str, conn, descriptor, written, read, rounds: int) -> None:
+def _prefill(name: str, conn, descriptor, written, read, rounds: int, device: str) -> None:
     try:
         from moeserve.disagg.transfer.base import KVPoll, create_backend
 
-        backend = create_backend(name, _source(), "127.0.0.1")
+        backend = create_backend(name, _source(device), "127.0.0.1")
         backend.connect("decode-0", descriptor)
         states = []
         for _ in range(rounds):
@@ -102,17 +103,18 @@ def _prefill(name: str, conn, descriptor, written, read, rounds: int) -> None:
         written.set()
 
 
-def run_pair(name: str, rounds: int = 2) -> tuple[list[int], list[torch.Tensor]]:
+def run_pair(name: str, rounds: int = 2, device: str = "cpu") -> tuple[list[int], list[torch.Tensor]]:
     """The transfer states the prefill side saw and the decode side's buffers afterwards."""
     ctx = mp.get_context("spawn")
     written, read = ctx.Event(), ctx.Event()
     d_parent, d_child = ctx.Pipe()
     p_parent, p_child = ctx.Pipe()
-    decode = ctx.Process(target=_decode, args=(name, d_child, written, read), daemon=True)
+    decode = ctx.Process(target=_decode, args=(name, d_child, written, read, device), daemon=True)
     decode.start()
     try:
         kind, value = _recv(d_parent)
-        prefill = ctx.Process(target=_prefill, args=(name, p_child, value, written, read, rounds), daemon=True)
+        prefill = ctx.Process(target=_prefill, args=(name, p_child, value, written, read, rounds, device),
+                              daemon=True)
         prefill.start()
         _, states = _recv(p_parent)
         _, got = _recv(d_parent)

@@ -21,6 +21,14 @@ def test_pieces_land_exactly_where_they_should(name):
         assert torch.equal(have, want)
 
 
+@pytest.mark.gpu
+def test_torch_backend_between_gpu_processes_over_cuda_ipc():
+    states, got = run_pair("torch", rounds=2, device="cuda")
+    assert states == [int(KVPoll.Success)] * 2
+    for have, want in zip(got, expected_decode_buffers()):
+        assert torch.equal(have, want)
+
+
 def test_fake_backend_copies_in_process_and_can_fail():
     src, dst = buffers(3.0), buffers(0.0)
     sender, receiver = create_backend("fake", src, "127.0.0.1"), create_backend("fake", dst, "127.0.0.1")

@@ -1,11 +1,13 @@
-"""KV transfer over ``torch.distributed`` point-to-point, for machines where neither NIXL nor
-Mooncake is installed: each (prefill rank, decode rank) pair gets a gloo process group of its own,
-outside any server's world, rendezvousing through a store the decode rank hosts.
+"""KV transfer with torch alone, for machines where neither NIXL nor Mooncake is installed.
 
-A write sends a header (how many pieces, where each goes) and the pieces' bytes packed into one
-message; a thread of the decode rank receives it, scatters the bytes into its buffers and
-acknowledges, and the write counts as done only on that acknowledgement, so a finished write
-means the bytes are in the decode rank's memory. Tensors on a GPU are staged through host memory.
+Between GPUs of one machine the decode rank shares its buffers by CUDA IPC and the prefill rank
+copies device to device into them, on a stream of its own, done when its event is. Otherwise each
+(prefill rank, decode rank) pair gets a gloo process group of its own, outside any server's world,
+rendezvousing through a store the decode rank hosts: a write sends a header (how many pieces, where
+each goes) and the pieces' bytes packed into one message; a thread of the decode rank receives it,
+scatters the bytes into its buffers and acknowledges, and the write counts as done only on that
+acknowledgement, so a finished write means the bytes are in the decode rank's memory (tensors on a
+GPU are staged through host memory on this path).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class TorchBackend(TransferBackend):
         self._store: dist.TCPStore | None = None
         self._threads: list[threading.Thread] = []
         self._inbound: list[dist.ProcessGroup] = []  # decode side: a group per prefill peer
+        self._ipc: dict[str, _IpcPeer] = {}  # prefill side: peers whose buffers this process maps
         self._closed = threading.Event()
 
     # ---- decode side -------------------------------------------------------------------------
@@ -103,7 +106,10 @@ class TorchBackend(TransferBackend):
             self._store = dist.TCPStore(self.host, port, None, True, timedelta(seconds=GROUP_TIMEOUT_S),
                                         wait_for_workers=False, master_listen_fd=listener.detach())
             self._spawn(self._accept_peers)
-        return {"store_host": self.host, "store_port": self._store.port}
+        out: dict[str, Any] = {"store_host": self.host, "store_port": self._store.port}
+        if all(b.is_cuda for b in self.buffers):
+            out["cuda_ipc"] = {"machine": _machine_id(), "buffers": [_ipc_handle(b) for b in self.buffers]}
+        return out
 
     def _spawn(self, target: Any, *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True, name=f"kv-{target.__name__}")
@@ -147,12 +153,18 @@ class TorchBackend(TransferBackend):
 
     # ---- prefill side ------------------------------------------------------------------------
     def connect(self, peer: str, descriptor: dict[str, Any]) -> None:
+        ipc = descriptor.get("cuda_ipc")
+        if ipc and ipc["machine"] == _machine_id() and all(b.is_cuda for b in self.buffers):
+            self._ipc[peer] = _IpcPeer([_open_ipc(h) for h in ipc["buffers"]], self.buffers[0].device)
+            return
         store = dist.TCPStore(descriptor["store_host"], int(descriptor["store_port"]), None, False,
                               timedelta(seconds=GROUP_TIMEOUT_S))
         k = store.add("peers", 1) - 1
         self._peers[peer] = _Peer(_pair_group(store, k, rank=0), self._bytes)
 
     def write(self, peer: str, pieces: list[Piece]) -> object:
+        if peer in self._ipc:
+            return self._ipc[peer].write(self._bytes, _merged(pieces))
         write = _Write(_merged(pieces))
         link = self._peers.get(peer)
         if link is None or not link.thread.is_alive():
@@ -162,10 +174,13 @@ class TorchBackend(TransferBackend):
         return write
 
     def check(self, handle: object) -> KVPoll:
+        if isinstance(handle, torch.cuda.Event):
+            return KVPoll.Success if handle.query() else KVPoll.Transferring
         assert isinstance(handle, _Write)
         return handle.state
 
     def disconnect(self, peer: str) -> None:
+        self._ipc.pop(peer, None)
         link = self._peers.pop(peer, None)
         if link is not None:
             link.stop()
@@ -181,6 +196,44 @@ class TorchBackend(TransferBackend):
             _abort(group)
         for thread in self._threads:
             thread.join(timeout=5)
+
+
+class _IpcPeer:
+    """A decode rank's buffers mapped into this process; writes are device copies on a side stream."""
+
+    def __init__(self, buffers: list[torch.Tensor], device: torch.device) -> None:
+        self.buffers, self.stream = buffers, torch.cuda.Stream(device)
+
+    def write(self, src: list[torch.Tensor], pieces: list[Piece]) -> torch.cuda.Event:
+        # after whatever was queued on the default stream so far (the prefill that wrote these pages)
+        self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            for p in pieces:
+                self.buffers[p.buffer][p.dst:p.dst + p.length].copy_(src[p.buffer][p.src:p.src + p.length],
+                                                                      non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+
+def _machine_id() -> str:
+    """The same for every process of this boot of this machine (CUDA IPC works only within one)."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f"{socket.gethostname()}:{f.read().strip()}"
+
+
+def _ipc_handle(t: torch.Tensor) -> list[Any]:
+    """Plain data another process opens ``t`` (contiguous, on a GPU) from, as bytes."""
+    shared = t.untyped_storage()._share_cuda_()
+    return [*shared, t.storage_offset() * t.element_size(), t.numel() * t.element_size()]
+
+
+def _open_ipc(handle: list[Any]) -> torch.Tensor:
+    """The bytes of another process's tensor, from ``_ipc_handle``."""
+    *shared, offset, nbytes = handle
+    storage = torch.UntypedStorage._new_shared_cuda(*shared)
+    whole = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", int(shared[0]))).set_(storage)
+    return whole[offset:offset + nbytes]
 
 
 def _abort(group: dist.ProcessGroup) -> None:
