@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import typing
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +15,25 @@ import torch
 ROUTERS = ("noaux_tc", "greedy", "group_limited_greedy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+
+_FIELD_DEFAULT = object()  # a flag's default is its field's
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """How a config field shows on the command line (``--field-name``)."""
+
+    help: str = ""
+    choices: tuple[str, ...] | None = None
+    cli_default: Any = _FIELD_DEFAULT  # when the flag's "not given" differs from the field's default
+
+
+def flag(default: Any, help: str = "", choices: tuple[str, ...] | None = None,
+         cli_default: Any = _FIELD_DEFAULT) -> Any:
+    """A config field that is also a command-line flag: declared once, here, with its default; the CLI
+    and the benchmarks build their parsers from these (``server/cli.py``)."""
+    return field(default=default, metadata={"flag": FlagSpec(help, choices, cli_default)})
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -175,15 +196,17 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 @dataclass(frozen=True)
 class LoadConfig:
     model_path: str | None = None
-    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights of the real shapes)
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    tokenizer_path: str | None = None
+    load_format: str = flag("auto", "auto (safetensors), safetensors, or dummy: random weights of the real shapes",
+                            ("auto", "safetensors", "dummy"))
+    dtype: str = flag("auto", "compute dtype (auto: the checkpoint's)", ("auto", "float32", "bfloat16", "float16"))
+    device: str = flag("cpu", choices=("cpu", "cuda"))
+    seed: int = 0  # seeds random weights (--load-format dummy)
+    tokenizer_path: str | None = flag(None, "default: the model folder")
     # "fp8": weights kept in FP8 e4m3 with 128x128 block scales (an FP8 checkpoint keeps its own;
     # a bf16/fp32 one is quantized at load). None: an FP8 checkpoint is kept in FP8 on CUDA and
     # dequantized elsewhere (the CPU has no FP8 matmul, so it would only be slower).
-    quantization: str | None = None
+    quantization: str | None = flag(None, "keep weights in FP8 with 128x128 block scales (a bf16 checkpoint is "
+                                          "quantized at load)", ("fp8",))
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "fp8"):
@@ -202,10 +225,11 @@ class LoadConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    page_size: int = 16
-    max_total_tokens: int | None = None  # None: sized from the memory budget
-    mem_fraction_static: float = 0.88  # share of device memory for weights + KV (CUDA)
-    cpu_kv_cache_gb: float = 1.0  # KV budget on CPU, where there is no device memory to measure
+    page_size: int = flag(16, "tokens per KV-cache page (default: 64 on CUDA, where decode reads whole pages; "
+                              "16 on CPU)", cli_default=None)
+    max_total_tokens: int | None = flag(None, "KV cache size in tokens (default: sized from the memory budget)")
+    mem_fraction_static: float = flag(0.88, "share of device memory for weights + KV cache (CUDA)")
+    cpu_kv_cache_gb: float = flag(1.0, "KV cache budget on the CPU, where there is no device memory to measure")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -218,10 +242,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 8192  # tokens of prefill per step; <= 0 disables chunking
-    max_prefill_tokens: int = 16384
-    context_length: int | None = None  # None: the model's max_position_embeddings
+    max_running_requests: int = flag(256)
+    chunked_prefill_size: int = flag(8192, "prefill tokens per step; <= 0 disables chunking")
+    max_prefill_tokens: int = flag(16384, "most prefill tokens in one step without chunking")
+    context_length: int | None = flag(None, "default: the model's max_position_embeddings")
     decode_reserve_tokens: int = 8  # pages kept free per running request when admitting prefill
 
     def __post_init__(self) -> None:
@@ -242,21 +266,24 @@ class ParallelConfig:
     the dense FFN runs tensor-parallel over groups of ``moe_dense_tp_size`` ranks.
     """
 
-    tp_size: int = 1
-    dp_size: int = 1
-    enable_dp_attention: bool = False
-    ep_size: int | None = None  # None: the world when an all-to-all backend is on, else 1
-    moe_a2a_backend: str = "none"
-    deepep_mode: str = "auto"
-    moe_dense_tp_size: int | None = None  # None: the attention-TP size
-    enable_dp_lm_head: bool = False
-    ep_num_redundant_experts: int = 0
-    max_dispatch_tokens_per_rank: int = 128
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    dist_secret_file: str | None = None  # a secret shared by every node: keys of the request channel
-    load_balance_method: str = "round_robin"
+    tp_size: int = flag(1, "ranks (processes / GPUs) in all")
+    dp_size: int = flag(1, "data-parallel attention groups")
+    enable_dp_attention: bool = flag(False)
+    ep_size: int | None = flag(None, "default: tp-size with an all-to-all backend, else 1")
+    moe_a2a_backend: str = flag("none", choices=A2A_BACKENDS)
+    deepep_mode: str = flag("auto", choices=DEEPEP_MODES)
+    moe_dense_tp_size: int | None = flag(None, "TP size of the dense FFN layers (default: the attention-TP size)")
+    enable_dp_lm_head: bool = flag(False, "vocab-parallel LM head inside attention TP")
+    ep_num_redundant_experts: int = flag(0)
+    max_dispatch_tokens_per_rank: int = flag(128, "low-latency dispatch buffer: tokens per source rank")
+    nnodes: int = flag(1)
+    node_rank: int = flag(0)
+    dist_init_addr: str | None = flag(None, "host:port of node 0 with --nnodes > 1: torch.distributed and the "
+                                            "request channel listen on this host, ports port .. port+1+dp")
+    dist_secret_file: str | None = flag(None, "with --nnodes > 1: a file holding the same secret (>= 16 bytes) "
+                                              "on every node; the request channel between nodes authenticates "
+                                              "and encrypts with keys derived from it")
+    load_balance_method: str = flag("round_robin", choices=("round_robin", "shortest_queue"))
 
     def __post_init__(self) -> None:
         n = self.tp_size
@@ -317,12 +344,16 @@ class DisaggConfig:
     """Prefill/decode disaggregation, with SGLang's flag names. ``bootstrap_host`` is where this
     server's own bootstrap server listens (set by the launcher from ``--host``)."""
 
-    disaggregation_mode: str = "null"
-    disaggregation_transfer_backend: str = "torch"
-    disaggregation_bootstrap_port: int = 8998
-    disaggregation_ib_device: str | None = None
-    disaggregation_host: str = "127.0.0.1"  # where this server's side channels and data paths listen
-    disaggregation_secret_file: str | None = None  # default: ~/.config/moeserve/pd_secret, made on first use
+    disaggregation_mode: str = flag("null", choices=DISAGGREGATION_MODES)
+    disaggregation_transfer_backend: str = flag("torch", "how KV moves from prefill to decode ranks (fake: "
+                                                         "in-process, for unit tests only)", TRANSFER_BACKENDS)
+    disaggregation_bootstrap_port: int = flag(8998, "prefill: where its bootstrap server listens (on --host)")
+    disaggregation_ib_device: str | None = flag(None, "RDMA device for mooncake / nixl")
+    disaggregation_host: str = flag("127.0.0.1", "the address this server's side channels and KV data paths "
+                                                 "listen on")
+    disaggregation_secret_file: str | None = flag(None, "a secret (>= 16 bytes) every prefill and decode server "
+                                                        "of the deployment shares; default: "
+                                                        "~/.config/moeserve/pd_secret, made on first use")
     bootstrap_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
@@ -346,8 +377,8 @@ class DisaggConfig:
 class RunnerConfig:
     """How the model runner executes: decode batches replay CUDA graphs captured per batch size."""
 
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 256
+    disable_cuda_graph: bool = flag(False, "run decode eagerly")
+    cuda_graph_max_bs: int = flag(256, "largest decode batch replayed from a CUDA graph")
 
     def __post_init__(self) -> None:
         _require(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be at least 1")
@@ -389,6 +420,21 @@ def default_page_size(device: str) -> int:
 
 _SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
              "runner": RunnerConfig, "disagg": DisaggConfig}
+
+
+def config_flags() -> list[tuple[str, type, Any, FlagSpec]]:
+    """Every field that is a flag, by section: ``(name, type, default, spec)``; the type is the
+    field's own (``int | None`` gives ``int``), the default the field's unless the spec says another."""
+    out = []
+    for cls in _SECTIONS.values():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            spec = f.metadata.get("flag")
+            if spec is not None:
+                kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+                default = f.default if spec.cli_default is _FIELD_DEFAULT else spec.cli_default
+                out.append((f.name, kind, default, spec))
+    return out
 
 
 def build_engine_config(model_path: str | None = None, **settings: Any) -> EngineConfig:

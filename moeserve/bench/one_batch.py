@@ -46,18 +46,13 @@ def add_model_args(p: argparse.ArgumentParser, preset: str | None = None, num_la
     p.add_argument("--num-layers", type=int, default=num_layers, help="with --preset: stack this many layers")
     p.add_argument("--num-dense-layers", type=int, default=None,
                    help="with --preset: dense layers among them (default: the released share, at least 1)")
-    p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"],
-                   help="default: dummy with --preset, else auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=default_device(), choices=["cpu", "cuda"])
+    from moeserve.server.cli import add_config_flags
+
+    add_config_flags(p, names={"load_format", "dtype", "device", "page_size", "max_total_tokens",
+                               "mem_fraction_static", "quantization", "disable_cuda_graph", "cuda_graph_max_bs",
+                               "max_prefill_tokens"},
+                     defaults={"load_format": None, "device": default_device()})  # None: dummy with --preset
     p.add_argument("--seed", type=int, default=0, help="seeds random weights and prompts")
-    p.add_argument("--page-size", type=int, default=None, help="KV page size (default: 64 on CUDA, 16 on CPU)")
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
-    p.add_argument("--mem-fraction-static", type=float, default=0.88)
-    p.add_argument("--quantization", default=None, choices=["fp8"], help="keep weights in FP8 (block-scaled)")
-    p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=256)
-    p.add_argument("--max-prefill-tokens", type=int, default=16384, help="most tokens in one prefill call")
 
 
 def add_one_batch_args(p: argparse.ArgumentParser) -> None:

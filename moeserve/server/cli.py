@@ -8,72 +8,36 @@ import sys
 from typing import Any
 
 
+def add_config_flags(p: argparse.ArgumentParser, names: set[str] | None = None,
+                     defaults: dict[str, Any] | None = None) -> None:
+    """A flag for each config field declared as one (``config.flag``), or for those in ``names``;
+    ``defaults`` replaces some defaults (a benchmark's device, say)."""
+    from moeserve.config import config_flags
+
+    for name, kind, default, spec in config_flags():
+        if names is not None and name not in names:
+            continue
+        default = (defaults or {}).get(name, default)
+        option = "--" + name.replace("_", "-")
+        if kind is bool:
+            p.add_argument(option, action="store_true", help=spec.help or None)
+            continue
+        shown = f" (default: {default})" if default is not None and "default" not in spec.help else ""
+        p.add_argument(option, type=kind, default=default, choices=spec.choices, help=(spec.help + shown) or None)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     p.add_argument("--model-path", required=model_required,
                    help="Hugging Face checkpoint folder" + ("" if model_required else
                                                            " (default: the small chat model shipped in the package)"))
-    p.add_argument("--tokenizer-path", default=None)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--page-size", type=int, default=None,
-                   help="tokens per KV-cache page (default: 64 on CUDA, where decode reads whole pages; 16 on CPU)")
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens")
-    p.add_argument("--mem-fraction-static", type=float, default=0.88)
-    p.add_argument("--chunked-prefill-size", type=int, default=8192, help="prefill tokens per step; <= 0 disables")
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="keep weights in FP8 with 128x128 block scales (a bf16 checkpoint is quantized at load)")
-    p.add_argument("--disable-cuda-graph", action="store_true", help="run decode eagerly")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed from a CUDA graph")
-    par = p.add_argument_group("parallelism")
-    par.add_argument("--tp-size", type=int, default=1, help="ranks (processes / GPUs) in all")
-    par.add_argument("--dp-size", type=int, default=1, help="data-parallel attention groups")
-    par.add_argument("--enable-dp-attention", action="store_true")
-    par.add_argument("--ep-size", type=int, default=None, help="default: tp-size with an all-to-all backend")
-    par.add_argument("--moe-a2a-backend", default="none", choices=["none", "torch", "deepep"])
-    par.add_argument("--deepep-mode", default="auto", choices=["normal", "low_latency", "auto"])
-    par.add_argument("--moe-dense-tp-size", type=int, default=None, help="TP size of the dense FFN layers")
-    par.add_argument("--enable-dp-lm-head", action="store_true", help="vocab-parallel LM head inside attention TP")
-    par.add_argument("--ep-num-redundant-experts", type=int, default=0)
-    par.add_argument("--max-dispatch-tokens-per-rank", type=int, default=128)
-    par.add_argument("--nnodes", type=int, default=1)
-    par.add_argument("--node-rank", type=int, default=0)
-    par.add_argument("--dist-init-addr", default=None,
-                     help="host:port of node 0 with --nnodes > 1: torch.distributed and the request channel "
-                          "listen on this host, ports port .. port+1+dp")
-    par.add_argument("--dist-secret-file", default=None,
-                     help="with --nnodes > 1: a file holding the same secret (>= 16 bytes) on every node; the "
-                          "request channel between nodes authenticates and encrypts with keys derived from it")
-    par.add_argument("--load-balance-method", default="round_robin", choices=["round_robin", "shortest_queue"])
-    pd = p.add_argument_group("prefill/decode disaggregation")
-    pd.add_argument("--disaggregation-mode", default="null", choices=["null", "prefill", "decode"])
-    pd.add_argument("--disaggregation-transfer-backend", default="torch", choices=["nixl", "mooncake", "torch", "fake"],
-                    help="how KV moves from prefill to decode ranks (fake: in-process, for unit tests only)")
-    pd.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
-                    help="prefill: where its bootstrap server listens (on --host)")
-    pd.add_argument("--disaggregation-ib-device", default=None, help="RDMA device for mooncake / nixl")
-    pd.add_argument("--disaggregation-host", default="127.0.0.1",
-                    help="the address this server's side channels and KV data paths listen on")
-    pd.add_argument("--disaggregation-secret-file", default=None,
-                    help="a secret (>= 16 bytes) every prefill and decode server of the deployment shares; "
-                         "default: ~/.config/moeserve/pd_secret, made on first use")
-
-
-_ENGINE_KEYS = ("tokenizer_path", "device", "dtype", "load_format", "page_size", "max_total_tokens",
-                "mem_fraction_static", "chunked_prefill_size", "max_running_requests", "context_length",
-                "quantization", "disable_cuda_graph", "cuda_graph_max_bs",
-                "tp_size", "dp_size", "enable_dp_attention", "ep_size", "moe_a2a_backend", "deepep_mode",
-                "moe_dense_tp_size", "enable_dp_lm_head", "ep_num_redundant_experts",
-                "max_dispatch_tokens_per_rank", "nnodes", "node_rank", "dist_init_addr", "dist_secret_file",
-                "load_balance_method", "disaggregation_mode", "disaggregation_transfer_backend",
-                "disaggregation_bootstrap_port", "disaggregation_ib_device", "disaggregation_host",
-                "disaggregation_secret_file")
+    add_config_flags(p)
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in _ENGINE_KEYS}
+    """The config flags ``args`` holds, as the keyword settings of ``build_engine_config``."""
+    from moeserve.config import config_flags
+
+    return {name: getattr(args, name) for name, *_ in config_flags() if hasattr(args, name)}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -70,6 +70,10 @@ class TransferBackend(ABC):
         memory) or ``Failed`` -- only once no byte of this write can land any more, so that the
         decode side may reuse the pages when it hears of the failure."""
 
+    def progress(self) -> None:
+        """Called every few milliseconds by the manager's thread, on both sides: a backend with no
+        progress thread of its own advances its transfers and connection set-ups here."""
+
     def disconnect(self, peer: str) -> None:
         """Forget ``peer`` (it died or left)."""
 

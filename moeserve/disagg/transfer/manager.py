@@ -197,11 +197,14 @@ class KVManager:
         for sock in sockets:
             poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
+            self.backend.progress()
             self._run_commands()
             if self.role == "prefill":
                 self._register_once()
                 self._check_writes()
-            for sock, _ in poller.poll(POLL_MS):
+            if not sockets:  # a decode rank before its first peer: Poller.poll would not wait
+                self._stop.wait(POLL_MS / 1000)
+            for sock, _ in poller.poll(POLL_MS) if sockets else ():
                 self._receive(sock)
             if self.role == "decode" and len(self._sockets()) != len(sockets):  # a new prefill peer
                 sockets = self._sockets()

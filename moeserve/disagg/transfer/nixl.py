@@ -46,7 +46,9 @@ class NixlBackend(TransferBackend):
         # Random suffix, not a counter: a restarted peer may reuse a pid while the prefill side
         # still holds the old agent under that name.
         self.agent_name = f"moeserve-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=[]))
+        # No progress thread: NIXL's busy-polls a core per agent (two agents idle took both cores of
+        # a 2-core machine, and the engine crawled); ``progress`` advances the agent instead.
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=[]))
         self.agent.create_backend("UCX", {"ucx_devices": ib_device} if ib_device else {})
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
@@ -56,6 +58,9 @@ class NixlBackend(TransferBackend):
         self._regions = [_region(b) for b in self.buffers]
         self._peers: dict[str, dict[str, Any]] = {}  # peer -> its descriptor
         self._posted: dict[int, _Write] = {}  # unfinished transfers, for close to cancel
+
+    def progress(self) -> None:
+        self.agent.get_new_notifs()  # drives the UCX worker: connection set-up, peers' one-sided writes
 
     def descriptor(self) -> dict[str, Any]:
         return {"agent": self.agent_name, "metadata": self.agent.get_agent_metadata(), "mem_type": self.mem_type,
