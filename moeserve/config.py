@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import typing
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
