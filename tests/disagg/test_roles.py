@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
+from moeserve.core import BootstrapInfo
 from tests.disagg.pd_utils import ENGINE, bootstrap_server, pd_scheduler, run_pair
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -32,55 +33,87 @@ def reference(model_path):
 
 def _settle(*scheds, timeout_s=30):
     deadline = time.monotonic() + timeout_s
-    while any(s.role.num_pending for s in scheds) and time.monotonic() < deadline:
+    while any(s.role.num_pending or s.num_requests for s in scheds) and time.monotonic() < deadline:
         for s in scheds:
             s.step()
         time.sleep(0.001)
 
 
-def test_pd_queues_give_the_monolithic_tokens(model_path, reference, tmp_path):
+@pytest.fixture
+def pair(model_path, tmp_path):
+    """A prefill and a decode scheduler (fake data path) and their bootstrap port."""
     secret = str(tmp_path / "secret")
     with bootstrap_server(secret) as (port, _):
         prefill = pd_scheduler(model_path, "prefill", "fake", port, secret)
         decode = pd_scheduler(model_path, "decode", "fake", port, secret)
         try:
-            reqs = run_pair(prefill, decode, _prompts([7, 30, 45, 3]), GREEDY, port)  # 30, 45 > chunk of 16
-            _settle(prefill, decode)
-            assert [r.output_ids for r in reqs] == reference
-            for sched in (prefill, decode):
-                assert sched.pages.num_used == 0 and sched.num_requests == 0 and sched.role.num_pending == 0
-            assert prefill.role.aux.num_free == decode.role.aux.num_free == 4 * 256
-            stats = prefill.role.manager.stats
-            assert stats.transfers == {"success": 4, "failed": 0} and stats.bytes > 0
+            yield prefill, decode, port
         finally:
             prefill.role.close()
             decode.role.close()
 
 
-def test_a_failed_write_fails_the_request_on_both_sides(model_path, tmp_path):
-    secret = str(tmp_path / "secret")
-    with bootstrap_server(secret) as (port, _):
-        prefill = pd_scheduler(model_path, "prefill", "fake", port, secret)
-        decode = pd_scheduler(model_path, "decode", "fake", port, secret)
-        prefill.role.manager.backend.fail_writes = True
-        try:
-            reqs = run_pair(prefill, decode, _prompts([9]), GREEDY, port)
-            _settle(prefill, decode)
-            assert reqs[0].finish_reason.value == "error" and "failed" in reqs[0].finish_message
-            assert prefill.pages.num_used == decode.pages.num_used == 0
-            assert prefill.num_requests == decode.num_requests == 0
-        finally:
-            prefill.role.close()
-            decode.role.close()
+def test_pd_queues_give_the_monolithic_tokens(pair, reference):
+    prefill, decode, port = pair
+    reqs = run_pair(prefill, decode, _prompts([7, 30, 45, 3]), GREEDY, port)  # 30, 45 > chunk of 16
+    _settle(prefill, decode)
+    assert [r.output_ids for r in reqs] == reference
+    for sched in (prefill, decode):
+        assert sched.pages.num_used == 0 and sched.num_requests == 0 and sched.role.num_pending == 0
+    assert prefill.role.aux.num_free == decode.role.aux.num_free == 4 * 256
+    stats = prefill.role.manager.stats
+    assert stats.transfers == {"success": 4, "failed": 0} and stats.bytes > 0
 
 
-def test_a_request_without_bootstrap_info_is_refused(model_path, tmp_path):
-    secret = str(tmp_path / "secret")
-    with bootstrap_server(secret) as (port, _):
-        prefill = pd_scheduler(model_path, "prefill", "fake", port, secret)
-        try:
-            with pytest.raises(ValueError, match="bootstrap_room"):
-                prefill.add_request("x", [5, 6, 7], GREEDY)
-            assert prefill.num_requests == 0
-        finally:
-            prefill.role.close()
+def test_a_failed_write_fails_the_request_on_both_sides(pair):
+    prefill, decode, port = pair
+    prefill.role.manager.backend.fail_writes = True
+    reqs = run_pair(prefill, decode, _prompts([9]), GREEDY, port)
+    _settle(prefill, decode)
+    assert reqs[0].finish_reason.value == "error" and "failed" in reqs[0].finish_message
+    assert prefill.pages.num_used == decode.pages.num_used == 0
+    assert prefill.num_requests == decode.num_requests == 0
+
+
+def test_a_request_without_bootstrap_info_is_refused(pair):
+    prefill, decode, _ = pair
+    for sched in (prefill, decode):
+        with pytest.raises(ValueError, match="bootstrap_room"):
+            sched.add_request("x", [5, 6, 7], GREEDY)
+        assert sched.num_requests == 0
+
+
+def test_an_abort_mid_transfer_holds_the_decode_pages_until_the_prefill_side_confirms(pair):
+    prefill, decode, port = pair
+    info = BootstrapInfo("127.0.0.1", port, room=77)
+    prompt = _prompts([40])[0]
+    prefill.add_request("p", prompt, GREEDY, info)
+    req = decode.add_request("d", prompt, GREEDY, info)
+    deadline = time.monotonic() + 30
+    while not (req in decode.role.transfer and decode.role.receivers["d"].requested):  # the indices left
+        decode.step()
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    held = decode.pages.num_used
+    assert held > 0
+    decode.abort("d")
+    assert decode.pages.num_used == held and decode.role.num_pending == 1  # draining, not freed
+    _settle(prefill, decode)
+    assert decode.pages.num_used == 0 and decode.role.num_pending == 0
+    assert prefill.num_requests == 0 and prefill.pages.num_used == 0  # the prefill leg failed and freed
+    assert decode.role.aux.num_free == prefill.role.aux.num_free == 4 * 256
+
+
+def test_an_abort_before_the_indices_left_frees_at_once_and_the_prefill_leg_waits(pair):
+    prefill, decode, port = pair
+    info = BootstrapInfo("127.0.0.1", port, room=78)
+    prefill.add_request("p", _prompts([20])[0], GREEDY, info)
+    decode.add_request("d", _prompts([20])[0], GREEDY, info)
+    decode.abort("d")  # before anything reached the prefill side
+    _settle(decode)
+    assert decode.pages.num_used == 0 and decode.role.num_pending == 0 and decode.num_requests == 0
+    for _ in range(20):
+        prefill.step()
+    assert prefill.role.stats()["bootstrap"] == 1  # no decode side ever came: the router cancels this leg
+    prefill.abort("p")
+    assert prefill.num_requests == 0 and prefill.role.num_pending == 0 and prefill.pages.num_used == 0

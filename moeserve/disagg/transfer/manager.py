@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 POLL_MS = 2
 REGISTER_RETRY_S = 0.5
 LOOKUP_TIMEOUT_S = 5.0
+# A prefill server whose ranks are still registering answers 503: its rooms wait this long for it.
+ROUTE_WAIT_S = 30.0
+ROUTE_RETRY_S = 0.1
 
 
 # ---- identity and layout ---------------------------------------------------------------------
@@ -144,6 +147,7 @@ class KVManager:
         self.backend: TransferBackend = create_backend(args.backend, [args.kv, args.aux], args.host, args.ib_device)
         self.ctx = zmq.Context()
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._later: list[tuple[float, Callable[[], None]]] = []  # commands to run again at a time
         self._stop = threading.Event()
         self.stats = TransferStats()
         self._init_role()
@@ -215,6 +219,11 @@ class KVManager:
         return [self._router] if self.role == "prefill" else [d.sock for d in self._dealers.values()]
 
     def _run_commands(self) -> None:
+        now = time.monotonic()
+        due = [c for t, c in self._later if t <= now]
+        self._later = [(t, c) for t, c in self._later if t > now]
+        for command in due:
+            self._commands.put(command)
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -323,10 +332,21 @@ class KVManager:
 
     # ---- decode: routes, handshakes, rooms -------------------------------------------------------
     def _start_receiver(self, receiver: KVReceiver, host: str, port: int, prefill_dp: int | None) -> None:
+        if receiver.state is KVPoll.Failed:  # aborted while waiting for the prefill server
+            receiver.settled = True
+            return
         self._receivers[receiver.room] = receiver
         try:
             endpoint = self._route(host, port, receiver.room, prefill_dp)
-        except (httpx.HTTPError, LookupError, ValueError) as exc:
+        except (httpx.TransportError, LookupError) as exc:
+            if time.monotonic() < receiver.created + ROUTE_WAIT_S:  # not up, or its ranks still registering
+                self._later.append((time.monotonic() + ROUTE_RETRY_S,
+                                    lambda: self._start_receiver(receiver, host, port, prefill_dp)))
+                return
+            receiver.fail(f"the prefill server at {host}:{port} could not be reached in {ROUTE_WAIT_S:.0f} s: {exc}")
+            receiver.settled = True
+            return
+        except (httpx.HTTPError, ValueError) as exc:
             receiver.fail(f"the prefill server at {host}:{port} could not be reached: {exc}")
             receiver.settled = True
             return
@@ -514,6 +534,7 @@ class KVReceiver:
         self.state = KVPoll.Bootstrapping
         self.message = ""
         self.dealer: _Dealer | None = None
+        self.created = time.monotonic()
         self.requested = False  # the prefill rank has this room's page indices
         self.settled = False  # nothing of the prefill side will write into this room's pages any more
 
