@@ -117,3 +117,22 @@ def test_an_abort_before_the_indices_left_frees_at_once_and_the_prefill_leg_wait
     assert prefill.role.stats()["bootstrap"] == 1  # no decode side ever came: the router cancels this leg
     prefill.abort("p")
     assert prefill.num_requests == 0 and prefill.role.num_pending == 0 and prefill.pages.num_used == 0
+
+
+def test_a_decode_server_short_of_pages_retracts_and_recomputes_locally(model_path, reference, tmp_path):
+    """Four requests whose outputs outgrow a 48-slot decode cache: some are retracted and prefill
+    again on the decode server itself; greedy tokens do not change."""
+    secret = str(tmp_path / "secret")
+    with bootstrap_server(secret) as (port, _):
+        prefill = pd_scheduler(model_path, "prefill", "fake", port, secret)
+        decode = pd_scheduler(model_path, "decode", "fake", port, secret, max_total_tokens=48)
+        try:
+            prompts = _prompts([7, 30, 45, 3])
+            reqs = run_pair(prefill, decode, [prompts[0], prompts[3], prompts[0], prompts[3]], GREEDY, port)
+            _settle(prefill, decode)
+            assert decode.decode.retracted > 0
+            assert [r.output_ids for r in reqs] == [reference[0], reference[3]] * 2
+            assert decode.pages.num_used == prefill.pages.num_used == 0
+        finally:
+            prefill.role.close()
+            decode.role.close()
