@@ -54,6 +54,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             state = ServerState(client, tokenizer, engine_config, server_config, kv_capacity=info["max_total_tokens"])
             _http_server(state, ranks, bootstrap).run()
         finally:
+            _ignore_late_signals()
             ranks.stop()
     finally:
         client.close()
@@ -95,7 +96,16 @@ def _serve_ranks_only(engine_config: EngineConfig, addrs: RankAddresses) -> int:
             time.sleep(WATCHDOG_INTERVAL_S)
     finally:
         ranks.stop(grace_s=1.0 if stop else 5.0)
+        _ignore_late_signals()
+    # the ranks also end by themselves, cleanly, when node 0 shuts the deployment down
     return 0 if stop or all(p.exitcode == 0 for p in ranks.procs) else 1
+
+
+def _ignore_late_signals() -> None:
+    """The shutdown is under way: a SIGTERM now would only turn a clean exit into a kill (Python
+    restores the default handlers while it finalizes, but leaves ignored signals ignored)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _http_server(state: ServerState, ranks: RankProcesses, bootstrap: BootstrapService | None) -> uvicorn.Server:
