@@ -418,15 +418,33 @@ def default_page_size(device: str) -> int:
     return 64 if device == "cuda" else 16
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server of ``moeserve serve`` (not an engine section: the ranks never see it)."""
+
+    host: str = flag("127.0.0.1")
+    port: int = flag(30000)
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY'")
+    served_model_name: str = flag("default", "default: the model folder's name", cli_default=None)
+    max_queued_requests: int = flag(256, "answer 503 (Retry-After) while this many requests wait for their first "
+                                         "token")
+    max_request_bytes: int = flag(16 << 20, "answer 413 to a request body larger than this")
+
+    def __post_init__(self) -> None:
+        _require(self.max_queued_requests >= 1, "max_queued_requests", f"must be >= 1, got {self.max_queued_requests}")
+        _require(self.max_request_bytes >= 1024, "max_request_bytes", f"must be >= 1024, got {self.max_request_bytes}")
+
+
 _SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
              "runner": RunnerConfig, "disagg": DisaggConfig}
 
 
-def config_flags() -> list[tuple[str, type, Any, FlagSpec]]:
-    """Every field that is a flag, by section: ``(name, type, default, spec)``; the type is the
-    field's own (``int | None`` gives ``int``), the default the field's unless the spec says another."""
+def config_flags(classes: tuple[type, ...] | None = None) -> list[tuple[str, type, Any, FlagSpec]]:
+    """Every field of ``classes`` (default: the engine's sections) that is a flag: ``(name, type,
+    default, spec)``; the type is the field's own (``int | None`` gives ``int``), the default the
+    field's unless the spec says another."""
     out = []
-    for cls in _SECTIONS.values():
+    for cls in classes or tuple(_SECTIONS.values()):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             spec = f.metadata.get("flag")

@@ -17,11 +17,13 @@ from moeserve.executor.model_runner import ModelRunner
 
 
 def prefill_role(config: EngineConfig, groups: ParallelGroups, runner: ModelRunner) -> PrefillRole:
-    return PrefillRole(_manager("prefill", config, groups, runner), _aux_slots(config))
+    manager = _manager("prefill", config, groups, runner)
+    return PrefillRole(manager, manager.args.aux.shape[0])
 
 
 def decode_role(config: EngineConfig, groups: ParallelGroups, runner: ModelRunner) -> DecodeRole:
-    return DecodeRole(_manager("decode", config, groups, runner), _aux_slots(config))
+    manager = _manager("decode", config, groups, runner)
+    return DecodeRole(manager, manager.args.aux.shape[0])
 
 
 def _aux_slots(config: EngineConfig) -> int:

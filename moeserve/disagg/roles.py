@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from moeserve.core import FinishReason, Req, TokenLogprob
 from moeserve.disagg.transfer.base import KVPoll
-from moeserve.disagg.transfer.manager import KVManager, KVReceiver, KVSender
+from moeserve.disagg.transfer.manager import KVManager, KVReceiver, KVSender, MirrorSender
 from moeserve.scheduler.requests import release_pages
 from moeserve.scheduler.roles import Role
+
+if TYPE_CHECKING:
+    from moeserve.scheduler.scheduler import Scheduler
 
 MAX_TOP_LOGPROBS = 20
 AUX_WIDTH = 3 + 2 * MAX_TOP_LOGPROBS  # token id, its logprob, how many alternatives, their ids, their logprobs
@@ -71,6 +75,13 @@ def read_aux(aux: torch.Tensor, slot: int, want_logprobs: bool) -> tuple[int, To
     return token, TokenLogprob(token, row[1], top)
 
 
+def _agreed(sched: Scheduler, reqs: list[Req],
+            transfers: dict[str, KVSender | MirrorSender | KVReceiver]) -> list[tuple[Req, KVPoll]]:
+    """Each request with its transfer's state as the whole attention-TP group sees it (the minimum)."""
+    states = sched.tp_min([int(transfers[r.rid].poll()) for r in reqs])
+    return [(r, KVPoll(s)) for r, s in zip(list(reqs), states)]
+
+
 def _needs_bootstrap(req: Req, side: str) -> None:
     if req.bootstrap is None:
         raise ValueError(f"a {side} server needs bootstrap_host, bootstrap_port and bootstrap_room "
@@ -85,7 +96,7 @@ class PrefillRole(Role):
         self.aux = SlotPool(aux_slots)
         self.bootstrapping: list[Req] = []
         self.in_flight: list[Req] = []
-        self.senders: dict[str, KVSender] = {}
+        self.senders: dict[str, KVSender | MirrorSender] = {}
         self.aux_of: dict[str, int] = {}
         self.sent_pages: dict[str, int] = {}
 
@@ -103,13 +114,13 @@ class PrefillRole(Role):
 
     def poll(self) -> list[Req]:
         changed = []
-        for req, state in self._agreed(self.bootstrapping):
+        for req, state in _agreed(self.sched, self.bootstrapping, self.senders):
             if state is KVPoll.Failed:
                 changed.append(self._fail(req))
             elif state >= KVPoll.WaitingForInput:
                 self.bootstrapping.remove(req)
                 self.sched.prefill.add(req)
-        for req, state in self._agreed(self.in_flight):
+        for req, state in _agreed(self.sched, self.in_flight, self.senders):
             if state is KVPoll.Failed:
                 changed.append(self._fail(req))
             elif state is KVPoll.Success:
@@ -118,10 +129,6 @@ class PrefillRole(Role):
                 self.sched.finish(req, FinishReason.LENGTH, self.sched.detokenize(req, req.output_ids))
                 changed.append(req)
         return changed
-
-    def _agreed(self, reqs: list[Req]) -> list[tuple[Req, KVPoll]]:
-        states = self.sched.tp_min([int(self.senders[r.rid].poll()) for r in reqs])
-        return [(r, KVPoll(s)) for r, s in zip(list(reqs), states)]
 
     def after_chunk(self, req: Req, start: int, end: int) -> None:
         if end < req.seq_len:  # the last chunk goes with the aux record, after sampling
@@ -196,7 +203,7 @@ class DecodeRole(Role):
 
     def poll(self) -> list[Req]:
         changed = self._preallocate()
-        for req, state in self._agreed(self.transfer):
+        for req, state in _agreed(self.sched, self.transfer, self.receivers):
             if state is KVPoll.Failed:
                 changed.append(self._fail(req))
             elif state is KVPoll.Success:
@@ -205,14 +212,10 @@ class DecodeRole(Role):
         self._drain()
         return changed
 
-    def _agreed(self, reqs: list[Req]) -> list[tuple[Req, KVPoll]]:
-        states = self.sched.tp_min([int(self.receivers[r.rid].poll()) for r in reqs])
-        return [(r, KVPoll(s)) for r, s in zip(list(reqs), states)]
-
     def _preallocate(self) -> list[Req]:
         """In arrival order, as long as pages for the prompt fit beside the running requests' growth."""
         changed, blocked = [], False
-        for req, state in self._agreed(self.prealloc):
+        for req, state in _agreed(self.sched, self.prealloc, self.receivers):
             if state is KVPoll.Failed:
                 changed.append(self._fail(req))
             elif state >= KVPoll.WaitingForInput and not blocked:

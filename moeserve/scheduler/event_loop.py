@@ -166,19 +166,22 @@ class EngineLoop:
 
     def _share(self, msgs: list[object]) -> list[object]:
         """The leader's messages, on every rank of its attention-TP group."""
-        tp = self.groups.cpu_attn_tp
-        if tp.size == 1:
-            return msgs
-        data = broadcast_bytes(self._peer_codec.encode(msgs) if tp.first else b"", tp)
-        return _decoded(self._peer_codec, data)
+        return self._from_leader(self._peer_codec, msgs)
 
     def _share_samples(self, out: SampleOutput) -> SampleOutput:
         """Ranks sharing a batch append the leader's tokens, whatever their own RNG drew."""
+        return self._from_leader(self._sample_codec, out)
+
+    def _from_leader(self, codec: Codec, value: object) -> object:
+        """The attention-TP leader's ``value`` on every rank of the group, as bytes checked against
+        ``codec``'s schema (it cannot fail to decode unless the ranks disagree on code)."""
         tp = self.groups.cpu_attn_tp
         if tp.size == 1:
-            return out
-        data = broadcast_bytes(self._sample_codec.encode(out) if tp.first else b"", tp)
-        return _decoded(self._sample_codec, data)
+            return value
+        msg = codec.decode([broadcast_bytes(codec.encode(value) if tp.first else b"", tp)])
+        if msg is None:
+            raise RuntimeError(f"a message from the group leader did not decode: {codec.last_error}")
+        return msg
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, AbortInput):
@@ -243,14 +246,6 @@ class EngineLoop:
             stats.transfers, stats.transfer_bytes = dict(transfers.transfers), transfers.bytes
             stats.transfer_seconds, stats.transfer_writes = transfers.seconds, transfers.writes
         self._send(stats)
-
-
-def _decoded(codec: Codec, data: bytes) -> object:
-    """A message from this group's leader: it cannot be malformed unless the ranks disagree on code."""
-    msg = codec.decode([data])
-    if msg is None:
-        raise RuntimeError(f"a message from the group leader did not decode: {codec.last_error}")
-    return msg
 
 
 def _with_dispatch_cap(config: EngineConfig, groups: ParallelGroups) -> EngineConfig:

@@ -6,6 +6,7 @@ of disaggregated serving live in ``moeserve.disagg``."""
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from moeserve.core import Req
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from moeserve.scheduler.scheduler import Scheduler
 
 
-class Role:
+class Role(ABC):
     """The defaults are the monolithic behaviour except for ``after_prefill``."""
 
     name = "role"
@@ -37,10 +38,10 @@ class Role:
     def after_chunk(self, req: Req, start: int, end: int) -> None:
         """Tokens ``start:end`` of ``req`` are in the cache now."""
 
+    @abstractmethod
     def after_prefill(self, req: Req) -> bool:
         """``req`` finished its prefill and sampled its first token; True when the scheduler should
         check its stop conditions (it decodes on here)."""
-        raise NotImplementedError
 
     def release(self, req: Req) -> bool:
         """``req`` is aborted: drop what the role holds of it. True when the role keeps its pages

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from moeserve.config import EngineConfig
+from moeserve.config import EngineConfig, ServerConfig
 from moeserve.core import BootstrapInfo, SamplingParams
 from moeserve.models.tokenizer import Tokenizer
 from moeserve.scheduler.validation import check_request
@@ -33,26 +33,9 @@ from moeserve.server.http import APIKeyAuth, error_body, error_json
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 DISCONNECT_POLL_S = 0.2
-DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 # texts up to this many characters are tokenized on the event loop (well under a millisecond);
 # longer ones in a worker thread, where the tokenizer releases the GIL
 INLINE_TOKENIZE_CHARS = 4096
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    served_model_name: str = "default"
-    max_queued_requests: int = 256
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-
-    def __post_init__(self) -> None:
-        if self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
 
 
 class APIError(Exception):

@@ -9,12 +9,13 @@ from typing import Any
 
 
 def add_config_flags(p: argparse.ArgumentParser, names: set[str] | None = None,
-                     defaults: dict[str, Any] | None = None) -> None:
-    """A flag for each config field declared as one (``config.flag``), or for those in ``names``;
-    ``defaults`` replaces some defaults (a benchmark's device, say)."""
+                     defaults: dict[str, Any] | None = None, classes: tuple[type, ...] | None = None) -> None:
+    """A flag for each config field declared as one (``config.flag``; the engine's sections unless
+    ``classes`` are given), or for those in ``names``; ``defaults`` replaces some defaults (a
+    benchmark's device, say)."""
     from moeserve.config import config_flags
 
-    for name, kind, default, spec in config_flags():
+    for name, kind, default, spec in config_flags(classes):
         if names is not None and name not in names:
             continue
         default = (defaults or {}).get(name, default)
@@ -62,18 +63,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from moeserve.config import build_engine_config
+    from moeserve.config import ServerConfig, build_engine_config, config_flags
     from moeserve.models.tiny_chat import embedded_model_path
-    from moeserve.server.api import ServerConfig
     from moeserve.server.launch import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     model_path = args.model_path or embedded_model_path()
     engine = build_engine_config(model_path, **engine_settings(args))
     name = args.served_model_name or (os.path.basename(os.path.normpath(model_path)) if args.model_path else "tiny-chat")
-    server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
-                          max_queued_requests=args.max_queued_requests,
-                          **({} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}))
+    server = ServerConfig(**{**{n: getattr(args, n) for n, *_ in config_flags((ServerConfig,))},
+                             "served_model_name": name})
     return serve(engine, server)
 
 
@@ -137,6 +136,18 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(sub: Any, name: str, help: str, add_args: Any, func: Any) -> None:
+    """A subcommand whose flags ``add_args`` adds and which ``func`` runs."""
+    p = sub.add_parser(name, help=help)
+    add_args(p)
+    p.set_defaults(func=func)
+
+
+def _add_kernel_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", default=None, help="run the cases whose name contains this")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeserve", description="A serving engine for DeepSeek-V3-class MoE models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,63 +166,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     _add_engine_flags(srv, model_required=False)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=30000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    srv.add_argument("--served-model-name", default=None)
-    srv.add_argument("--max-queued-requests", type=int, default=256,
-                     help="answer 503 (Retry-After) while this many requests wait for their first token")
-    srv.add_argument("--max-request-bytes", type=int, default=None,
-                     help="answer 413 to a request body larger than this (default: 16 MiB)")
+    from moeserve.config import ServerConfig
+
+    add_config_flags(srv, classes=(ServerConfig,))
     srv.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    bench_serving = bench.add_parser("serving", help="load a running server with requests and measure latency")
-    from moeserve.bench.serving import add_serving_args
-
-    add_serving_args(bench_serving)
-    bench_serving.set_defaults(func=cmd_bench_serving)
-    one_batch = bench.add_parser("one-batch", help="prefill and decode of one batch straight on the engine")
-    from moeserve.bench.one_batch import add_one_batch_args
-
-    add_one_batch_args(one_batch)
-    one_batch.set_defaults(func=cmd_bench_one_batch)
-    compare_hf = bench.add_parser("compare-hf", help="moeserve beside transformers on the same weights and device")
     from moeserve.bench.compare_hf import add_compare_hf_args
-
-    add_compare_hf_args(compare_hf)
-    compare_hf.set_defaults(func=cmd_bench_compare_hf)
-    kernels = bench.add_parser("kernels", help="kernel microbenchmarks against the measured copy and matmul ceilings")
-    kernels.add_argument("--only", default=None, help="run the cases whose name contains this")
-    kernels.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
-    kernels.set_defaults(func=cmd_bench_kernels)
-    transfer = bench.add_parser("transfer", help="KV transfer bandwidth of each backend between two processes")
-    from moeserve.bench.transfer import add_transfer_args
-
-    add_transfer_args(transfer)
-    transfer.set_defaults(func=cmd_bench_transfer)
-    pd_bench = bench.add_parser("pd", help="a monolithic server and a PD deployment under the same load, side by side")
-    from moeserve.bench.pd import add_pd_bench_args
-
-    add_pd_bench_args(pd_bench)
-    pd_bench.set_defaults(func=cmd_bench_pd)
-    dispatch = bench.add_parser("dispatch", help="EP dispatch/combine bandwidth and latency over several GPUs")
     from moeserve.bench.dispatch import add_dispatch_args
-
-    add_dispatch_args(dispatch)
-    dispatch.set_defaults(func=cmd_bench_dispatch)
-
-    router = sub.add_parser("router", help="the prefill/decode disaggregation router in front of PD servers")
+    from moeserve.bench.one_batch import add_one_batch_args
+    from moeserve.bench.pd import add_pd_bench_args
+    from moeserve.bench.serving import add_serving_args
+    from moeserve.bench.transfer import add_transfer_args
+    from moeserve.planner import add_plan_args, run_plan
     from moeserve.server.router import add_router_args, run_router
 
-    add_router_args(router)
-    router.set_defaults(func=run_router)
-
-    plan = sub.add_parser("plan", help="per-rank memory of a deployment layout; the memory-optimal dense TP")
-    from moeserve.planner import add_plan_args, run_plan
-
-    add_plan_args(plan)
-    plan.set_defaults(func=run_plan)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    _command(bench, "serving", "load a running server with requests and measure latency", add_serving_args,
+             cmd_bench_serving)
+    _command(bench, "one-batch", "prefill and decode of one batch straight on the engine", add_one_batch_args,
+             cmd_bench_one_batch)
+    _command(bench, "compare-hf", "moeserve beside transformers on the same weights and device", add_compare_hf_args,
+             cmd_bench_compare_hf)
+    _command(bench, "kernels", "kernel microbenchmarks against the measured copy and matmul ceilings",
+             _add_kernel_bench_args, cmd_bench_kernels)
+    _command(bench, "transfer", "KV transfer bandwidth of each backend between two processes", add_transfer_args,
+             cmd_bench_transfer)
+    _command(bench, "pd", "a monolithic server and a PD deployment under the same load, side by side",
+             add_pd_bench_args, cmd_bench_pd)
+    _command(bench, "dispatch", "EP dispatch/combine bandwidth and latency over several GPUs", add_dispatch_args,
+             cmd_bench_dispatch)
+    _command(sub, "router", "the prefill/decode disaggregation router in front of PD servers", add_router_args,
+             run_router)
+    _command(sub, "plan", "per-rank memory of a deployment layout; the memory-optimal dense TP", add_plan_args,
+             run_plan)
 
     demo = sub.add_parser("demo", help="serve the shipped chat model, chat with it, benchmark it, stop")
     demo.add_argument("--pd", action="store_true", help="prefill and decode servers behind the PD router instead")

@@ -165,9 +165,10 @@ class KVManager:
             self._writes: list[_InFlight] = []
             self._registered = self.args.bootstrap is None
             self._next_register = 0.0
+            self._token = bootstrap_token(self.args.secret)
         else:
             self.decode_id = f"{self.args.host}:{os.getpid()}:{self.args.identity.dp_rank}.{self.args.identity.tp_rank}"
-            self._routes: dict[tuple[str, int, int], str] = {}  # (bootstrap host, port, dp) -> endpoint
+            self._layouts: dict[tuple[str, int], dict] = {}  # (bootstrap host, port) -> its /route answer
             self._dealers: dict[str, _Dealer] = {}  # prefill endpoint -> link
             self._receivers: dict[int, KVReceiver] = {}
 
@@ -206,10 +207,11 @@ class KVManager:
             if self.role == "prefill":
                 self._register_once()
                 self._check_writes()
-            if not sockets:  # a decode rank before its first peer: Poller.poll would not wait
+            if sockets:
+                for sock, _ in poller.poll(POLL_MS):
+                    self._receive(sock)
+            else:  # a decode rank before its first peer: Poller.poll would not wait
                 self._stop.wait(POLL_MS / 1000)
-            for sock, _ in poller.poll(POLL_MS) if sockets else ():
-                self._receive(sock)
             if self.role == "decode" and len(self._sockets()) != len(sockets):  # a new prefill peer
                 sockets = self._sockets()
                 for sock in sockets:
@@ -252,7 +254,7 @@ class KVManager:
         body = {"endpoint": self.endpoint, **dataclasses.asdict(self.args.identity)}
         try:
             r = httpx.put(f"{_http(host, port)}/register", json=body, timeout=2,
-                          headers={"Authorization": f"Bearer {bootstrap_token(self.args.secret)}"})
+                          headers={"Authorization": f"Bearer {self._token}"})
             self._registered = r.status_code == 200
         except httpx.HTTPError:
             pass
@@ -362,13 +364,12 @@ class KVManager:
             self._settle(dealer)
 
     def _route(self, host: str, port: int, room: int, prefill_dp: int | None) -> str:
-        layout = self._routes.get((host, port, -1))
+        layout = self._layouts.get((host, port))
         if layout is None:
             r = httpx.get(f"{_http(host, port)}/route", timeout=LOOKUP_TIMEOUT_S)
             if r.status_code != 200:
                 raise LookupError(f"bootstrap answered {r.status_code}: {r.text}")
-            layout = r.json()
-            self._routes[(host, port, -1)] = layout
+            layout = self._layouts[(host, port)] = r.json()
         dp = room % layout["attn_dp_size"] if prefill_dp is None else prefill_dp
         if not 0 <= dp < layout["attn_dp_size"]:
             raise ValueError(f"prefill_dp_rank {dp} is not in [0, {layout['attn_dp_size']})")
