@@ -4,56 +4,58 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import zmq
 
 from moeserve.scheduler.channel import ChannelKeys, ServerSide, connect
 
 
-def test_only_the_launch_key_passes(tmp_path):
+@pytest.fixture
+def channel():
+    """A launch's keys, a context and its server side (ZAP handler running); torn down after."""
     keys = ChannelKeys.generate()
     ctx = zmq.Context()
     side = ServerSide(ctx, keys)
     try:
-        addr = f"ipc://{tmp_path}/s"
-        pull = side.bind(zmq.PULL, addr)
-        other = ChannelKeys.generate()
-        impostor = connect(ctx, zmq.PUSH, addr, ChannelKeys(keys.server_public, b"", other.client_public,
-                                                              other.client_secret))
-        plain = ctx.socket(zmq.PUSH)
-        plain.connect(addr)
-        for sock in (impostor, plain):
-            sock.setsockopt(zmq.SNDTIMEO, 500)
-            try:
-                sock.send(b"forged")
-            except zmq.Again:
-                pass
-        rank = connect(ctx, zmq.PUSH, addr, keys)
-        rank.send(b"real")
-        assert pull.recv() == b"real"
-        assert pull.poll(300) == 0  # nothing forged arrived
-        assert side.refusals.count == 1  # the impostor reached the ZAP check; the plain peer not even that
+        yield keys, ctx, side
     finally:
         side.stop()
         ctx.destroy(linger=0)
 
 
-def test_a_foreign_puller_gets_no_message(tmp_path):
-    keys = ChannelKeys.generate()
-    ctx = zmq.Context()
-    side = ServerSide(ctx, keys)
-    try:
-        addr = f"ipc://{tmp_path}/in"
-        push = side.bind(zmq.PUSH, addr)
-        thief = ctx.socket(zmq.PULL)
-        thief.connect(addr)
-        rank = connect(ctx, zmq.PULL, addr, keys)
-        for i in range(6):
-            push.send(str(i).encode())
-        assert sorted(int(rank.recv()) for _ in range(6)) == list(range(6))
-        assert thief.poll(300) == 0
-    finally:
-        side.stop()
-        ctx.destroy(linger=0)
+def test_only_the_launch_key_passes(tmp_path, channel):
+    keys, ctx, side = channel
+    addr = f"ipc://{tmp_path}/s"
+    pull = side.bind(zmq.PULL, addr)
+    other = ChannelKeys.generate()
+    impostor = connect(ctx, zmq.PUSH, addr, ChannelKeys(keys.server_public, b"", other.client_public,
+                                                          other.client_secret))
+    plain = ctx.socket(zmq.PUSH)
+    plain.connect(addr)
+    for sock in (impostor, plain):
+        sock.setsockopt(zmq.SNDTIMEO, 500)
+        try:
+            sock.send(b"forged")
+        except zmq.Again:
+            pass
+    rank = connect(ctx, zmq.PUSH, addr, keys)
+    rank.send(b"real")
+    assert pull.recv() == b"real"
+    assert pull.poll(300) == 0  # nothing forged arrived
+    assert side.refusals.count == 1  # the impostor reached the ZAP check; the plain peer not even that
+
+
+def test_a_foreign_puller_gets_no_message(tmp_path, channel):
+    keys, ctx, side = channel
+    addr = f"ipc://{tmp_path}/in"
+    push = side.bind(zmq.PUSH, addr)
+    thief = ctx.socket(zmq.PULL)
+    thief.connect(addr)
+    rank = connect(ctx, zmq.PULL, addr, keys)
+    for i in range(6):
+        push.send(str(i).encode())
+    assert sorted(int(rank.recv()) for _ in range(6)) == list(range(6))
+    assert thief.poll(300) == 0
 
 
 def test_keys_from_a_secret_are_the_same_everywhere():
