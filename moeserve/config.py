@@ -247,10 +247,15 @@ class SchedulerConfig:
     max_prefill_tokens: int = flag(16384, "most prefill tokens in one step without chunking")
     context_length: int | None = flag(None, "default: the model's max_position_embeddings")
     decode_reserve_tokens: int = 8  # pages kept free per running request when admitting prefill
+    # here, not in ServerConfig: the ranks' schedulers, which alone know when a prefill starts, enforce it
+    queue_timeout: float | None = flag(None, "fail (503) a request that waits more than this many seconds in the "
+                                             "queue before its prefill starts (default: no limit)")
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.queue_timeout is not None and not self.queue_timeout > 0:
+            raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
 
 
 A2A_BACKENDS = ("none", "torch", "deepep")
@@ -354,6 +359,19 @@ class DisaggConfig:
     disaggregation_secret_file: str | None = flag(None, "a secret (>= 16 bytes) every prefill and decode server "
                                                         "of the deployment shares; default: "
                                                         "~/.config/moeserve/pd_secret, made on first use")
+    # SGLang's defaults for the bootstrap and waiting timeouts (its environment variables of these names)
+    disaggregation_bootstrap_timeout: float = flag(300.0, "seconds a request may wait for its other side: on a "
+                                                          "prefill server for the decode side's page indices, on a "
+                                                          "decode server for the prefill server's route and handshake")
+    disaggregation_waiting_timeout: float = flag(300.0, "decode: seconds from sending the page indices to the whole "
+                                                        "KV cache having arrived; then the request fails, the prefill "
+                                                        "side is told to abort, and its pages are freed")
+    disaggregation_transfer_timeout: float = flag(60.0, "prefill: seconds a KV write to a decode rank may take")
+    disaggregation_heartbeat_interval: float = flag(2.0, "decode: seconds between health checks of each prefill "
+                                                         "server it has requests with")
+    disaggregation_heartbeat_max_failures: int = flag(3, "decode: a prefill server that misses this many health "
+                                                         "checks in a row is dead: its requests fail, their pages are "
+                                                         "freed, the connection is dropped")
     bootstrap_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
@@ -362,6 +380,12 @@ class DisaggConfig:
         _require(self.disaggregation_transfer_backend in TRANSFER_BACKENDS, "disaggregation_transfer_backend",
                  f"must be one of {TRANSFER_BACKENDS}")
         _require(0 < self.disaggregation_bootstrap_port < 65536, "disaggregation_bootstrap_port", "must be a port")
+        for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
+                     "disaggregation_transfer_timeout", "disaggregation_heartbeat_interval"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value > 0, name, f"must be a positive number of seconds, got {value}")
+        _require(self.disaggregation_heartbeat_max_failures >= 1, "disaggregation_heartbeat_max_failures",
+                 f"must be >= 1, got {self.disaggregation_heartbeat_max_failures}")
 
     @property
     def enabled(self) -> bool:
@@ -426,12 +450,14 @@ class ServerConfig:
     port: int = flag(30000)
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY'")
     served_model_name: str = flag("default", "default: the model folder's name", cli_default=None)
-    max_queued_requests: int = flag(256, "answer 503 (Retry-After) while this many requests wait for their first "
-                                         "token")
+    # no limit by default, as SGLang and vLLM: a burst waits in the engine instead of being refused
+    max_queued_requests: int | None = flag(None, "answer 503 (Retry-After) while this many requests wait for their "
+                                                 "first token (default: no limit)")
     max_request_bytes: int = flag(16 << 20, "answer 413 to a request body larger than this")
 
     def __post_init__(self) -> None:
-        _require(self.max_queued_requests >= 1, "max_queued_requests", f"must be >= 1, got {self.max_queued_requests}")
+        _require(self.max_queued_requests is None or self.max_queued_requests >= 1, "max_queued_requests",
+                 f"must be >= 1, got {self.max_queued_requests}")
         _require(self.max_request_bytes >= 1024, "max_request_bytes", f"must be >= 1024, got {self.max_request_bytes}")
 
 

@@ -164,9 +164,12 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
     finish_reason: FinishReason | None = None
     finish_message: str | None = None
+    error_status: int = 500  # the HTTP status of an ERROR finish: 500 the engine failed, 503 it was overloaded
     text: str = ""
     generator: torch.Generator | None = None
     num_retractions: int = 0
+    # when it joined the prefill queue, for ``--queue-timeout``; None once its prefill has started
+    queued_at: float | None = None
     bootstrap: BootstrapInfo | None = None  # set on both servers of a disaggregated request
 
     @property

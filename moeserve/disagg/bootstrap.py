@@ -3,8 +3,10 @@
 Each prefill rank registers (``PUT /register``, with the deployment's token) its attention DP
 and TP rank, the layout sizes, its side-channel endpoint and what a decode rank must match (page
 size, KV dtype, layer count, model). ``GET /route`` answers the layout and the endpoint of each DP
-group's first TP rank (the one that sends), 503 until every rank has registered; ``/health``.
-It runs in the prefill server's API process, on ``--disaggregation-bootstrap-port``.
+group's first TP rank (the one that sends), 503 until every rank has registered; ``/health``
+answers the same status with this server's ``instance`` id (new at every start: decode ranks
+watch it to notice a restart, whose ranks no longer hold their rooms). It runs in the prefill
+server's API process, on ``--disaggregation-bootstrap-port``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import secrets
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,6 +43,7 @@ class BootstrapTable:
 
     world: int  # ranks expected
     ranks: dict[tuple[int, int], Registration] = field(default_factory=dict)
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def route(self) -> dict | None:
         """The layout and each DP group's sending endpoint, or None until every rank is in."""
@@ -49,7 +53,7 @@ class BootstrapTable:
         endpoints = [self.ranks[(dp, 0)].endpoint for dp in range(first.attn_dp_size)]
         return {"attn_dp_size": first.attn_dp_size, "attn_tp_size": first.attn_tp_size, "endpoints": endpoints,
                 "page_size": first.page_size, "kv_dtype": first.kv_dtype, "num_layers": first.num_layers,
-                "model": first.model}
+                "model": first.model, "instance": self.instance}
 
 
 def build_bootstrap_app(table: BootstrapTable, token: str) -> FastAPI:
@@ -75,7 +79,7 @@ def build_bootstrap_app(table: BootstrapTable, token: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if table.route() is not None else 503)
+        return JSONResponse({"instance": table.instance}, status_code=200 if table.route() is not None else 503)
 
     return app
 

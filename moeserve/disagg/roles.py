@@ -151,6 +151,11 @@ class PrefillRole(Role):
         self.sched.fail(req, f"disaggregated prefill: {message}")
         return req
 
+    def stage(self, req: Req) -> str | None:
+        if req in self.bootstrapping:
+            return "bootstrap"
+        return "inflight" if req in self.in_flight else None
+
     def release(self, req: Req) -> bool:
         """Prefill pages are only read by a transfer, so they can go at once: a write still reading
         them sends stale bytes to a room that is failing anyway."""
@@ -252,6 +257,13 @@ class DecodeRole(Role):
         message = self.receivers[req.rid].message or "the KV transfer failed"
         self.sched.fail(req, f"disaggregated decode: {message}")
         return req
+
+    def stage(self, req: Req) -> str | None:
+        if req in self.prealloc:
+            return "prealloc"
+        if req in self.transfer:
+            return "transferred" if self.receivers[req.rid].state is KVPoll.Success else "transfer"
+        return None
 
     def after_prefill(self, req: Req) -> bool:
         """A retracted request prefills again here, from its tokens, then decodes on."""

@@ -24,6 +24,7 @@ from moeserve.scheduler.io import MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 ZAP_DOMAIN = "moeserve"
+TERM_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,29 @@ class ServerSide:
 
     def stop(self) -> None:
         self._auth.stop()
+
+    def close(self, sockets: list[zmq.Socket] = (), timeout: float = TERM_TIMEOUT_S) -> bool:
+        """Close ``sockets`` (no linger), stop the ZAP handler, then end the context, waiting at
+        most ``timeout`` seconds. True when the context ended in time.
+
+        libzmq can leave ``zmq_ctx_term`` waiting forever for a CURVE server socket that was
+        mid-handshake with a ZAP request out when it closed (libzmq#2733, seen on loaded
+        machines); shutting down must not hang on it, so the wait is bounded and a context that
+        does not end is left to the process's exit."""
+        for sock in sockets:
+            sock.close(linger=0)
+        self.stop()
+        return terminate(self.ctx, timeout)
+
+
+def terminate(ctx: zmq.Context, timeout: float = TERM_TIMEOUT_S) -> bool:
+    """``ctx.destroy(linger=0)`` on a daemon thread, waited for at most ``timeout`` seconds."""
+    done = threading.Thread(target=ctx.destroy, kwargs={"linger": 0}, daemon=True, name="zmq-term")
+    done.start()
+    done.join(timeout)
+    if done.is_alive():
+        logger.warning("a ZMQ context did not end within %.0f s; left to the process's exit", timeout)
+    return not done.is_alive()
 
 
 def connect(ctx: zmq.Context, kind: int, addr: str, keys: ChannelKeys) -> zmq.Socket:

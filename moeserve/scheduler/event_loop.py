@@ -223,7 +223,7 @@ class EngineLoop:
             self._sent.pop(req.rid, None)
             out.finish_reason, out.text = req.finish_reason.value, req.text
             if req.finish_reason is FinishReason.ERROR:
-                out.error, out.error_status = req.finish_message, 500
+                out.error, out.error_status = req.finish_message, req.error_status
         else:
             self._sent[req.rid] = len(req.output_ids)
         return out
@@ -240,11 +240,13 @@ class EngineLoop:
             num_waiting=len(sched.prefill.waiting), pages_used=pages.num_used, pages_total=pages.capacity,
             page_size=pages.page_size, retracted=sched.decode.retracted, generation_steps=self._steps,
             dp_rank=self.groups.dp_rank, rejected_messages=self.codec.rejected, pd_queues=sched.role.stats(),
+            ended_early=dict(sched.ended_early),
         )
         transfers = sched.role.transfer_stats()
         if transfers is not None:
             stats.transfers, stats.transfer_bytes = dict(transfers.transfers), transfers.bytes
             stats.transfer_seconds, stats.transfer_writes = transfers.seconds, transfers.writes
+            stats.prefill_peers_lost = transfers.peers_lost
         self._send(stats)
 
 

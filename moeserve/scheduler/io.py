@@ -35,7 +35,8 @@ class TokenOutput(msgspec.Struct, tag="tokens"):
 
     ``text`` is the engine's final text (cut at a stop string) and comes only with the finish;
     ``error`` is set when the request ended without a result: ``error_status`` 400 when the engine
-    refused it (bad input), 500 when the engine failed while running it.
+    refused it (bad input), 500 when the engine failed while running it, 503 when it waited past
+    ``--queue-timeout``.
     """
 
     rid: str
@@ -67,6 +68,8 @@ class EngineStats(msgspec.Struct, tag="stats"):
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
     transfer_writes: int = 0
+    prefill_peers_lost: int = 0  # decode: prefill servers its heartbeat found dead or restarted
+    ended_early: dict[str, int] = msgspec.field(default_factory=dict)  # aborted or failed requests, by stage
 
 
 EngineInput = GenerateInput | AbortInput | ShutdownInput

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 
 from moeserve.cache import PagePool
 from moeserve.config import SchedulerConfig
@@ -16,8 +18,8 @@ class PrefillManager:
     request goes once its prefill is done.
     """
 
-    def __init__(self, config: SchedulerConfig, pages: PagePool) -> None:
-        self.config, self.pages = config, pages
+    def __init__(self, config: SchedulerConfig, pages: PagePool, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.pages, self.clock = config, pages, clock
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
 
@@ -26,6 +28,9 @@ class PrefillManager:
 
     def add(self, req: Req, first: bool = False) -> None:
         req.status = ReqStatus.WAITING
+        # a retracted request had been admitted once and its client may hold tokens of it: the
+        # queue timeout is for requests never started, so only those are stamped
+        req.queued_at = self.clock() if req.num_retractions == 0 else None
         if first:
             self.waiting.appendleft(req)
         else:
@@ -40,6 +45,12 @@ class PrefillManager:
             self.waiting.remove(req)
             return True
         return False
+
+    def overdue(self, timeout: float) -> list[int]:
+        """1 for each ``waiting`` request (in order) that has waited more than ``timeout`` seconds
+        without ever being scheduled, else 0."""
+        now = self.clock()
+        return [int(r.queued_at is not None and now - r.queued_at > timeout) for r in self.waiting]
 
     def next_batch(self, num_running: int) -> ScheduleBatch | None:
         """As much prompt work as the token budget, the running-request cap and the free pages
@@ -58,6 +69,7 @@ class PrefillManager:
             budget -= seq.end - seq.start
             if req is not self.chunked:
                 self.waiting.remove(req)
+            req.queued_at = None  # its prefill has started: never timed out from here
             self.chunked = None if seq.completes_fill else req
             if self.chunked is not None:
                 break  # one partially prefilled request at a time

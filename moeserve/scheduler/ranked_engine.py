@@ -74,8 +74,5 @@ class RankedEngine:
                 with contextlib.suppress(zmq.Again):
                     sock.send(self.codec.encode(ShutdownInput()), flags=zmq.NOBLOCK)
         self.ranks.stop()
-        for sock in [*self.inputs, self.output]:
-            sock.close(linger=0)
-        self.channel.stop()
-        self.ctx.term()
+        self.channel.close([*self.inputs, self.output])
         self.addrs.cleanup()

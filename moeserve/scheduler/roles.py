@@ -43,6 +43,10 @@ class Role(ABC):
         """``req`` finished its prefill and sampled its first token; True when the scheduler should
         check its stop conditions (it decodes on here)."""
 
+    def stage(self, req: Req) -> str | None:
+        """The name of the role's queue that holds ``req``, if one does (for the abort counters)."""
+        return None
+
     def release(self, req: Req) -> bool:
         """``req`` is aborted: drop what the role holds of it. True when the role keeps its pages
         to free them itself later (a transfer may still be touching them)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
 
@@ -47,6 +48,7 @@ class Scheduler:
 
     def _init_parts(self) -> None:
         self.requests = RequestTable()
+        self.ended_early: Counter[str] = Counter()  # aborted or failed requests, by stage (``stage``)
         self.pages = self.runner.new_page_pool()
         self.prefill = PrefillManager(self.config.scheduler, self.pages)
         self.decode = DecodeManager(self.pages, self.prefill)
@@ -90,11 +92,23 @@ class Scheduler:
         req = self.requests.pop(rid)
         if req is None:
             return None
+        self.ended_early[self.stage(req)] += 1
         self.prefill.release(req) or self.decode.release(req)
         if not self.role.release(req):
             release_pages(self.pages, req)
         req.finish(FinishReason.ABORT, message)
         return req
+
+    def stage(self, req: Req) -> str:
+        """Where ``req`` is: a queue of the role (PD), else prefilling (a chunk of it is cached),
+        decoding, retracted (waiting to prefill again) or waiting."""
+        if (stage := self.role.stage(req)) is not None:
+            return stage
+        if req in self.decode.running:
+            return "decoding"
+        if req is self.prefill.chunked:
+            return "prefilling"
+        return "retracted" if req.num_retractions else "waiting"
 
     @property
     def has_work(self) -> bool:
@@ -107,9 +121,9 @@ class Scheduler:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Poll the role, schedule, agree with the peers, run, apply: the requests with news for
-        their client (a new token, a finish)."""
-        changed = self.role.poll()
+        """Expire overdue queued requests, poll the role, schedule, agree with the peers, run, apply:
+        the requests with news for their client (a new token, a finish)."""
+        changed = self._expire_queued() + self.role.poll()
         batch = self.schedule()
         anyone, dp = self.agree(batch)
         self.ran_forward = anyone
@@ -118,6 +132,19 @@ class Scheduler:
             if batch is not None:
                 changed += self.process(batch, logits)
         return changed
+
+    def _expire_queued(self) -> list[Req]:
+        """Fail (503) the waiting requests never scheduled in ``queue_timeout`` seconds. The ranks of
+        an attention-TP group hold the same queue but read their own clocks: a request expires only
+        when every one of them sees it overdue (``tp_min``), so they go on scheduling alike."""
+        timeout = self.config.scheduler.queue_timeout
+        if timeout is None or not self.prefill.waiting:
+            return []
+        waiting = list(self.prefill.waiting)
+        expired = [req for req, late in zip(waiting, self.tp_min(self.prefill.overdue(timeout))) if late]
+        for req in expired:
+            self.fail(req, f"the request waited more than {timeout} s in the queue (--queue-timeout)", status=503)
+        return expired
 
     def schedule(self) -> ScheduleBatch | None:
         """Prefill when there is prompt work that fits, else decode everything running."""
@@ -154,10 +181,12 @@ class Scheduler:
                 self.fail(req, f"{type(exc).__name__}: {exc}")
         return [req for _, req in done]
 
-    def fail(self, req: Req, message: str) -> None:
-        """End a request that the engine could not run, wherever it is; its pages are freed."""
+    def fail(self, req: Req, message: str, status: int = 500) -> None:
+        """End a request that the engine could not run, wherever it is; its pages are freed.
+        ``status`` is the HTTP status its client gets (503: the engine was too busy to start it)."""
         if self.abort(req.rid) is not None:
             req.finish(FinishReason.ERROR, message)
+            req.error_status = status
 
     def check_finished(self, req: Req) -> None:
         """Finish ``req`` if its last token is a stop token, its text holds a stop string, or it

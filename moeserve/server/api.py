@@ -1,8 +1,9 @@
 """The HTTP API: FastAPI app with OpenAI-compatible and native endpoints.
 
 What a client sends is bounded before it costs anything: the body size (``--max-request-bytes``),
-the queue (``--max-queued-requests``, counted per engine request the moment an HTTP request is
-admitted), the prompt length (a cheap lower bound before tokenizing; long texts are tokenized
+the queue (``--max-queued-requests`` when set, counted per engine request the moment an HTTP
+request is admitted; by default requests queue in the engine, where ``--queue-timeout`` may bound
+their wait), the prompt length (a cheap lower bound before tokenizing; long texts are tokenized
 off the event loop). Every error has the OpenAI envelope ``{"error": {...}}``.
 """
 
@@ -123,7 +124,11 @@ class ServerState:
         requests cannot pass the limit together."""
         if not self.healthy:
             raise APIError(503, "the engine is not running", "server_error")
-        limit = self.server.max_queued_requests
+        if self.server.max_queued_requests is not None:
+            self._check_queue_limit(places, self.server.max_queued_requests)
+        return self.client.admit(places)
+
+    def _check_queue_limit(self, places: int, limit: int) -> None:
         if places > limit:
             raise APIError(400, f"this request makes {places} completions (prompts x n); the queue holds at "
                                 f"most {limit} (--max-queued-requests)")
@@ -131,7 +136,6 @@ class ServerState:
             self.client.metrics.refused("queue_full")
             raise APIError(503, f"the queue is full ({limit} requests waiting)", "server_error",
                            {"Retry-After": "1"})
-        return self.client.admit(places)
 
 
 def sse(payload: dict | str) -> str:

@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 class EngineError(RuntimeError):
     """A request ended without a result. ``status``: 400 when the engine refused it (bad input),
-    500 when the engine failed while running it, 503 when the engine is gone."""
+    500 when the engine failed while running it, 503 when the engine is gone or the request waited
+    past ``--queue-timeout``."""
 
     def __init__(self, message: str, status: int = 500) -> None:
         super().__init__(message)
@@ -294,6 +295,4 @@ class EngineClient:
     def close(self) -> None:
         for sock in self._to_engine:
             sock.close(linger=100)
-        self._from_engine.close(linger=0)
-        self.channel.stop()
-        self.ctx.term()
+        self.channel.close([self._from_engine])

@@ -51,6 +51,10 @@ class Metrics:
         self.transfer_seconds = gauge("moeserve:kv_transfer_seconds", "time KV writes took, summed").labels(**labels)
         self.transfer_writes = gauge("moeserve:kv_transfer_writes", "KV writes (one per chunk and peer)").labels(
             **labels)
+        self.prefill_peers_lost = gauge("moeserve:pd_prefill_peers_lost", "prefill servers the decode side's "
+                                        "heartbeat found dead or restarted").labels(**labels)
+        self.ended_early = Gauge("moeserve:requests_ended_early", "requests aborted or failed in the engine, by the "
+                                 "stage they were at", [*labels, "stage"], registry=reg)
         self._labels = labels
 
     def update_engine(self, stats: list[EngineStats]) -> None:
@@ -67,6 +71,9 @@ class Metrics:
         self.transfer_bytes.set(sum(s.transfer_bytes for s in stats))
         self.transfer_seconds.set(sum(s.transfer_seconds for s in stats))
         self.transfer_writes.set(sum(s.transfer_writes for s in stats))
+        self.prefill_peers_lost.set(sum(s.prefill_peers_lost for s in stats))
+        for stage in {k for s in stats for k in s.ended_early}:
+            self.ended_early.labels(**self._labels, stage=stage).set(sum(s.ended_early.get(stage, 0) for s in stats))
 
     def refused(self, reason: str) -> None:
         self.refused_requests.labels(**self._labels, reason=reason).inc()

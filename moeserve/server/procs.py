@@ -25,6 +25,8 @@ class Proc:
     proc: subprocess.Popen
     port: int
     log_path: str | None
+    command: tuple[str, ...] = ()  # the moeserve arguments it was started with, --port apart
+    env: dict[str, str] | None = None  # variables added to its environment
 
     @property
     def url(self) -> str:
@@ -40,14 +42,16 @@ class Proc:
             return self.proc.wait()
 
 
-def start(name: str, command: Sequence[str], log_dir: str | None = None, port: int | None = None) -> Proc:
-    """``moeserve COMMAND... --port P`` in the background, waited for until ``/health`` answers 200."""
+def start(name: str, command: Sequence[str], log_dir: str | None = None, port: int | None = None,
+          env: dict[str, str] | None = None) -> Proc:
+    """``moeserve COMMAND... --port P`` in the background (``env`` added to this process's environment),
+    waited for until ``/health`` answers 200."""
     port = port or free_port()
     log_path = os.path.join(log_dir, f"{name}.log") if log_dir else None
-    out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 -- the child keeps it
+    out = open(log_path, "a") if log_path else subprocess.DEVNULL  # noqa: SIM115 -- the child keeps it (a restart appends)
     proc = subprocess.Popen([sys.executable, "-m", "moeserve.server.cli", *command, "--port", str(port)],
-                            stdout=out, stderr=subprocess.STDOUT)
-    started = Proc(name, proc, port, log_path)
+                            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env} if env else None)
+    started = Proc(name, proc, port, log_path, tuple(command), env)
     try:
         _wait_healthy(started)
     except BaseException:
@@ -69,6 +73,12 @@ def _wait_healthy(p: Proc) -> None:
     raise RuntimeError(f"{p.name} was not healthy after {START_TIMEOUT_S} s")
 
 
+def restart(p: Proc, log_dir: str | None = None) -> Proc:
+    """The same command on the same port again (after ``p`` stopped or was killed)."""
+    p.stop()
+    return start(p.name, p.command, log_dir or (os.path.dirname(p.log_path) if p.log_path else None), p.port, p.env)
+
+
 @contextlib.contextmanager
 def running(procs: list[Proc]) -> Iterator[list[Proc]]:
     """Stop every process on the way out, the last started first."""
@@ -80,8 +90,8 @@ def running(procs: list[Proc]) -> Iterator[list[Proc]]:
 
 
 def pd_deployment(model_args: Sequence[str], prefill_args: Sequence[str], decode_args: Sequence[str],
-                  backend: str, log_dir: str | None = None, num_prefill: int = 1,
-                  num_decode: int = 1) -> list[Proc]:
+                  backend: str, log_dir: str | None = None, num_prefill: int = 1, num_decode: int = 1,
+                  router_args: Sequence[str] = (), decode_env: dict[str, str] | None = None) -> list[Proc]:
     """Prefill servers, decode servers and a router in front of them; the router last."""
     procs: list[Proc] = []
     try:
@@ -95,9 +105,10 @@ def pd_deployment(model_args: Sequence[str], prefill_args: Sequence[str], decode
         decode_urls = []
         for i in range(num_decode):
             procs.append(start(f"decode{i}", ["serve", *model_args, *pd, *decode_args, "--disaggregation-mode",
-                                              "decode"], log_dir))
+                                              "decode"], log_dir, env=decode_env))
             decode_urls += ["--decode", procs[-1].url]
-        procs.append(start("router", ["router", "--pd-disaggregation", *prefill_urls, *decode_urls], log_dir))
+        procs.append(start("router", ["router", "--pd-disaggregation", *prefill_urls, *decode_urls, *router_args],
+                           log_dir))
     except BaseException:
         for p in reversed(procs):
             p.stop()

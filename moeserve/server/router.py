@@ -8,6 +8,10 @@ fetch the KV cache the prefill server computes. The client gets the decode serve
 it comes; the prefill server's is only watched for failure. Text goes in and out as the client sent it:
 the router never tokenizes, so it needs no model and imports nothing heavy.
 
+A request whose prefill server never took it up (unreachable, or a 503) is sent once more, to another prefill
+server, if nothing has reached the client yet. A worker that fails requests several times in a row is left
+out for a cooldown by its circuit breaker (``Circuit``), whatever its health checks say.
+
 Each leg runs in a task of its own and ends by being cancelled: its ``async with`` then closes the
 connection, the worker sees the disconnect and aborts. Cancelling is synchronous, so a leg can be ended
 from anywhere, a task the client's disconnect has cancelled included.
@@ -18,12 +22,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
+import math
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -70,6 +77,8 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     api_key: str | None = None  # what clients must send
     worker_api_key: str | None = None  # what the router sends the workers
+    circuit_breaker_failures: int = 3  # a worker's own failures in a row that open its circuit
+    circuit_breaker_cooldown_s: float = 10.0  # how long an open circuit keeps requests away
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -89,6 +98,12 @@ class RouterConfig:
             raise ValueError(f"health_check_interval_s must be > 0, got {self.health_check_interval_s}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        failures = self.circuit_breaker_failures
+        if isinstance(failures, bool) or not isinstance(failures, int) or failures < 1:
+            raise ValueError(f"circuit_breaker_failures must be an integer >= 1, got {failures!r}")
+        cooldown = self.circuit_breaker_cooldown_s
+        if not 0 < cooldown < math.inf:  # NaN included
+            raise ValueError(f"circuit_breaker_cooldown_s must be finite and > 0, got {cooldown}")
 
 
 def _check_urls(field: str, urls: list[str]) -> None:
@@ -106,6 +121,56 @@ def _check_urls(field: str, urls: list[str]) -> None:
 
 
 @dataclass
+class Circuit:
+    """A worker's circuit breaker, fed with the verdict of each leg sent there: True (it served the leg), False
+    (it failed, its own fault: see ``_Exchange``), None (no verdict: a 4xx, a cancelled leg).
+
+    Closed, legs go through; ``threshold`` failures in a row open it. Open, ``pick`` skips the worker until
+    ``open_until``. Half-open after that, one leg (the probe) may go: its success closes the circuit, its
+    failure opens it for another cooldown, no verdict lets the next leg probe. While open or half-open only the
+    probe decides: a leg sent before the circuit opened says nothing about the worker now. Times are
+    ``time.monotonic()`` seconds, given by the caller."""
+
+    threshold: int = 3
+    cooldown_s: float = 10.0
+    failures: int = 0  # the worker's failures in a row
+    open_until: float | None = None  # None while closed
+    probing: bool = False  # the half-open circuit's probe is in flight
+
+    @property
+    def closed(self) -> bool:
+        return self.open_until is None
+
+    def admits(self, now: float) -> bool:
+        return self.open_until is None or (now >= self.open_until and not self.probing)
+
+    def begin(self, now: float) -> bool:
+        """A leg is sent to the worker (which ``admits`` it): True if it is the probe."""
+        probe = self.open_until is not None and self.admits(now)
+        self.probing = self.probing or probe
+        return probe
+
+    def settle(self, verdict: bool | None, probe: bool, now: float) -> None:
+        if probe:
+            self.probing = False
+        elif self.open_until is not None:
+            return
+        if verdict is True:
+            self.failures, self.open_until = 0, None
+        elif verdict is False:
+            self.failures += 1
+            if probe or self.failures >= self.threshold:
+                self.open_until = now + self.cooldown_s
+
+    def wait_s(self, now: float) -> float:
+        """How long until the worker may be sent a leg again, as far as the circuit knows: a probe in flight
+        may take as long as a cooldown to decide."""
+        if self.open_until is None:
+            return 0.0
+        return self.cooldown_s if self.probing else max(0.0, self.open_until - now)
+
+
+@dataclass
 class Worker:
     """One prefill or decode server as the router sees it."""
 
@@ -115,6 +180,8 @@ class Worker:
     healthy: bool = True  # until the health checks say otherwise
     failures: int = 0  # health checks failed in a row
     in_flight: int = 0  # legs the router has open to it
+    # kept apart from ``healthy``: /health may answer while generation fails, so a check never closes it
+    circuit: Circuit = field(default_factory=Circuit)
 
     def record(self, ok: bool) -> None:
         """Unhealthy after ``UNHEALTHY_AFTER_FAILURES`` failed checks in a row, healthy again after one success."""
@@ -124,14 +191,26 @@ class Worker:
             logger.warning("%s worker %s is %s", self.role, self.url, "healthy again" if healthy else "down")
         self.healthy = healthy
 
-    def hold(self, task: asyncio.Task) -> None:
-        """Count ``task`` as in flight here until it ends: from now, not from when it starts, for the next pick
-        must see it."""
-        self.in_flight += 1
-        task.add_done_callback(self._leg_ended)
+    def available(self, now: float) -> bool:
+        return self.healthy and self.circuit.admits(now)
 
-    def _leg_ended(self, _: asyncio.Task) -> None:
+    def hold(self, task: asyncio.Task) -> None:
+        """Count ``task`` as in flight here until it ends, and give its verdict (its result) to the circuit
+        then: from now, not from when it starts, for the next pick must see it (a probe included)."""
+        self.in_flight += 1
+        probe = self.circuit.begin(time.monotonic())
+        task.add_done_callback(functools.partial(self._leg_ended, probe))
+
+    def _leg_ended(self, probe: bool, task: asyncio.Task) -> None:
         self.in_flight -= 1
+        verdict = None if task.cancelled() or task.exception() is not None else task.result()
+        was_open_until = self.circuit.open_until
+        self.circuit.settle(verdict, probe, time.monotonic())
+        if self.circuit.open_until is None and was_open_until is not None:
+            logger.info("%s worker %s: circuit closed again", self.role, self.url)
+        elif self.circuit.open_until != was_open_until:
+            logger.warning("%s worker %s: circuit open for %.1f s after %d failures in a row", self.role, self.url,
+                           self.circuit.cooldown_s, self.circuit.failures)
 
 
 def bootstrap_fields(prefill: Worker) -> dict[str, Any]:
@@ -147,16 +226,29 @@ class _Pool:
         self.workers, self.policy = workers, policy
         self._next = 0
 
-    def pick(self) -> Worker | None:
-        """The next healthy worker in turn; with least_load, the one with the fewest legs in flight, ties
-        going in turn (so that a light load still spreads over all of them)."""
-        n = len(self.workers)
-        healthy = [w for w in (self.workers[(self._next + i) % n] for i in range(n)) if w.healthy]
-        if not healthy:
+    @property
+    def role(self) -> str:
+        return self.workers[0].role
+
+    def pick(self, exclude: Worker | None = None) -> Worker | None:
+        """The next available worker (healthy, its circuit letting legs through) in turn, ``exclude`` apart;
+        with least_load, the one with the fewest legs in flight, ties going in turn (so that a light load still
+        spreads over all of them)."""
+        n, now = len(self.workers), time.monotonic()
+        turn = (self.workers[(self._next + i) % n] for i in range(n))
+        available = [w for w in turn if w is not exclude and w.available(now)]
+        if not available:
             return None
-        chosen = min(healthy, key=lambda w: w.in_flight) if self.policy == "least_load" else healthy[0]
+        chosen = min(available, key=lambda w: w.in_flight) if self.policy == "least_load" else available[0]
         self._next = (self.workers.index(chosen) + 1) % n
         return chosen
+
+    def retry_after_s(self, health_check_interval_s: float) -> int:
+        """When to ask again, none being available, in whole seconds (at least 1): the soonest a worker may be
+        back, at its next health check if it is down, at the end of its cooldown if its circuit is open."""
+        now = time.monotonic()
+        waits = [max(0.0 if w.healthy else health_check_interval_s, w.circuit.wait_s(now)) for w in self.workers]
+        return max(1, math.ceil(min(waits)))
 
 
 class _Metrics:
@@ -170,9 +262,17 @@ class _Metrics:
                         ["role", "url"], registry=self.registry)
         in_flight = Gauge("moeserve_router:worker_in_flight", "requests the router has in flight at the worker",
                           ["role", "url"], registry=self.registry)
+        circuit_open = Gauge("moeserve_router:worker_circuit_open",
+                             "1 while the worker's circuit breaker is open or half-open (not closed)",
+                             ["role", "url"], registry=self.registry)
+        self.retries = Counter("moeserve_router:retries", "generation requests sent again to another prefill "
+                               "worker after the first never took them up", ["endpoint"], registry=self.registry)
+        for path in GENERATION_PATHS:
+            self.retries.labels(path)  # a 0 rather than no series until the first retry
         for w in workers:
             healthy.labels(w.role, w.url).set_function(lambda w=w: float(w.healthy))
             in_flight.labels(w.role, w.url).set_function(lambda w=w: float(w.in_flight))
+            circuit_open.labels(w.role, w.url).set_function(lambda w=w: float(not w.circuit.closed))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -186,12 +286,15 @@ class _Failure:
     status: int
     body: bytes
     media_type: str = "application/json"
+    unstarted: bool = False  # the worker never took the request up (unreachable, or busy): another may
 
     @classmethod
     def raised(cls, worker: Worker, exc: Exception) -> _Failure:
         status = 504 if isinstance(exc, httpx.TimeoutException) else 502
         message = f"{worker.role} worker {worker.url} failed: {type(exc).__name__}: {exc}"
-        return cls(f"{worker.role}_error", status, json.dumps(error_body(status, message)).encode())
+        unstarted = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+        body = json.dumps(error_body(status, message)).encode()
+        return cls(f"{worker.role}_error", status, body, unstarted=unstarted)
 
     @classmethod
     def answered(cls, worker: Worker, response: httpx.Response, content: bytes) -> _Failure:
@@ -199,7 +302,8 @@ class _Failure:
             message = f"{worker.role} worker {worker.url} answered {response.status_code}"
             content = json.dumps(error_body(response.status_code, message)).encode()
         media_type = response.headers.get("content-type", "application/json")
-        return cls(f"{worker.role}_error", response.status_code, content, media_type)
+        # 503: the queue is full or the server not ready, so it refused the request before any work
+        return cls(f"{worker.role}_error", response.status_code, content, media_type, response.status_code == 503)
 
     def response(self) -> Response:
         return Response(self.body, self.status, media_type=self.media_type)
@@ -221,8 +325,10 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.prefill = _Pool([Worker("prefill", url.rstrip("/"), port) for url, port in config.prefill], config.policy)
-        self.decode = _Pool([Worker("decode", url.rstrip("/")) for url in config.decode], config.policy)
+        self.prefill = _Pool([Worker("prefill", url.rstrip("/"), port, circuit=_circuit(config))
+                              for url, port in config.prefill], config.policy)
+        self.decode = _Pool([Worker("decode", url.rstrip("/"), circuit=_circuit(config)) for url in config.decode],
+                            config.policy)
         self.metrics = _Metrics(self.prefill.workers + self.decode.workers)
         timeout = config.request_timeout_s
         # trust_env=False: an HTTP(S)_PROXY meant for the outside world must not sit between router and workers
@@ -247,9 +353,9 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.http.aclose()
 
-    def spawn(self, work: Coroutine[Any, Any, None], worker: Worker | None = None) -> asyncio.Task:
+    def spawn(self, work: Coroutine[Any, Any, Any], worker: Worker | None = None) -> asyncio.Task:
         """A task the router holds (the event loop holds tasks only weakly) and cancels at shutdown; it counts
-        as in flight at ``worker`` until it ends."""
+        as in flight at ``worker`` until it ends, and its result is its verdict on ``worker`` (``Circuit``)."""
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -282,10 +388,9 @@ class Router:
             return self._refuse(path, "invalid", 400, str(exc))
         prefill, decode = self.prefill.pick(), self.decode.pick()
         if prefill is None or decode is None:
-            role = "prefill" if prefill is None else "decode"
-            return self._refuse(path, "unavailable", 503, f"no healthy {role} worker")
-        sent = json.dumps({**body, **bootstrap_fields(prefill)}).encode()  # ours win over any the client sent
-        exchange = _Exchange(self, path, prefill, decode, sent)
+            self.metrics.requests.labels(path, "unavailable").inc()
+            return self._unavailable(self.prefill if prefill is None else self.decode)
+        exchange = _Exchange(self, path, body, prefill, decode)
         answer = await _unless_disconnected(request, exchange.answer())
         if answer is None:
             exchange.close("disconnected")
@@ -296,17 +401,35 @@ class Router:
         self.metrics.requests.labels(path, outcome).inc()
         return error_json(status, message)
 
+    def _unavailable(self, pool: _Pool) -> JSONResponse:
+        """A 503 for want of a worker of ``pool``'s role, saying when one may be back."""
+        if any(w.healthy for w in pool.workers):
+            message = f"no {pool.role} worker available: each healthy one has its circuit open after failures"
+        else:
+            message = f"no healthy {pool.role} worker"
+        retry_after = pool.retry_after_s(self.config.health_check_interval_s)
+        return error_json(503, message, headers={"Retry-After": str(retry_after)})
+
     async def ask_decode(self, path: str) -> Response:
         """The first healthy decode worker's answer to ``GET path`` (the model list, the model info):
         the decode servers are the ones that answer clients."""
         decode = next((w for w in self.decode.workers if w.healthy), None)
         if decode is None:
-            return error_json(503, "no healthy decode worker")
+            return self._unavailable(self.decode)
         try:
             response = await self.http.get(decode.url + path, headers=self.auth)
         except httpx.HTTPError as exc:
             return _Failure.raised(decode, exc).response()
         return Response(response.content, response.status_code, media_type=response.headers.get("content-type"))
+
+
+def _circuit(config: RouterConfig) -> Circuit:
+    return Circuit(config.circuit_breaker_failures, config.circuit_breaker_cooldown_s)
+
+
+def _verdict(status: int) -> bool | None:
+    """A worker's answer as a verdict on it: a 4xx is the client's doing."""
+    return None if 400 <= status < 500 else status < 500
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -344,67 +467,110 @@ class _Exchange:
     leg reaches it whatever it is waiting for, without racing the legs against each other.
 
     The queue is unbounded: decode output is a few bytes per token, and reading it on whatever the client
-    does lets the decode server finish (and free its KV cache) at its own pace."""
+    does lets the decode server finish (and free its KV cache) at its own pace. Each attempt (see ``_retry``)
+    has legs and a queue of its own, so nothing a cancelled leg left behind is read.
 
-    def __init__(self, router: Router, path: str, prefill: Worker, decode: Worker, body: bytes) -> None:
-        self.router, self.path = router, path
+    Each leg returns its verdict on its worker for the circuit breaker: False for the worker's own failures
+    (no connection, a timeout, a stream cut short, a 5xx), None for a 4xx or when cancelled (the client left,
+    the other leg failed, the request is retried), True otherwise."""
+
+    def __init__(self, router: Router, path: str, body: dict[str, Any], prefill: Worker, decode: Worker) -> None:
+        self.router, self.path, self.body = router, path, body
         self.outcome: str | None = None
-        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self.prefill_leg = router.spawn(self._prefill(prefill, body), prefill)
-        self.decode_leg = router.spawn(self._decode(decode, body), decode)
+        self.retried = False
+        self._send(prefill, decode)
 
-    async def _prefill(self, worker: Worker, body: bytes) -> None:
+    def _send(self, prefill: Worker, decode: Worker) -> None:
+        """Both legs, with a fresh room: a room names one attempt, so the decode worker never takes one for the
+        other."""
+        self.prefill = prefill
+        sent = json.dumps({**self.body, **bootstrap_fields(prefill)}).encode()  # ours win over any the client sent
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.prefill_leg = self.router.spawn(self._prefill(prefill, sent, self.events), prefill)
+        self.decode_leg = self.router.spawn(self._decode(decode, sent, self.events), decode)
+
+    async def _prefill(self, worker: Worker, body: bytes, events: asyncio.Queue) -> bool | None:
         """Read the prefill worker's whole answer (it must not see a disconnect while it works) and report it
         only if it is an error."""
         try:
             async with self.router.post(worker, self.path, body) as response:
                 content = await response.aread()
         except Exception as exc:  # noqa: BLE001 -- whatever it is, the client must get a 502 rather than wait forever
-            self._report(_Failure.raised(worker, exc))
-            return
+            self._report(events, _Failure.raised(worker, exc))
+            return None if isinstance(exc, httpx.PoolTimeout) else False  # a full pool is the router's doing
         if not response.is_success:
-            self._report(_Failure.answered(worker, response, content))
+            self._report(events, _Failure.answered(worker, response, content))
+        return _verdict(response.status_code)
 
-    async def _decode(self, worker: Worker, body: bytes) -> None:
+    async def _decode(self, worker: Worker, body: bytes, events: asyncio.Queue) -> bool | None:
         try:
             async with self.router.post(worker, self.path, body) as response:
-                self.events.put_nowait(("head", response))
+                events.put_nowait(("head", response))
                 async for chunk in response.aiter_bytes():
-                    self.events.put_nowait(("chunk", chunk))
+                    events.put_nowait(("chunk", chunk))
         except Exception as exc:  # noqa: BLE001 -- as in _prefill (a stream cut short included)
-            self._report(_Failure.raised(worker, exc))
-            return
-        self.events.put_nowait(("end", None))
+            self._report(events, _Failure.raised(worker, exc))
+            return None if isinstance(exc, httpx.PoolTimeout) else False
+        events.put_nowait(("end", None))
+        return _verdict(response.status_code)
 
-    def _report(self, failure: _Failure) -> None:
+    def _report(self, events: asyncio.Queue, failure: _Failure) -> None:
         late = " (after the request had ended)" if self.outcome is not None else ""
         level = logging.WARNING if failure.status >= 500 else logging.INFO  # a 4xx is the client's doing
         logger.log(level, "%s %s: %d %s%s", self.path, failure.outcome, failure.status,
                    failure.body[:200].decode(errors="replace"), late)
-        self.events.put_nowait(("failed", failure))
+        events.put_nowait(("failed", failure))
 
     async def answer(self) -> Response:
-        """A relay of the decode worker's stream as soon as its head arrives; its whole answer when that is not
-        a stream (or an error); or the error of the first leg to fail."""
+        """A relay of the decode worker's stream from its first chunk; its whole answer when that is not a
+        stream (or an error); or the error of the first leg to fail, unless the request could be sent again."""
+        result = await self._attempt()
+        if isinstance(result, _Failure) and self._retry(result):
+            result = await self._attempt()
+        if isinstance(result, _Failure):
+            self.close(result.outcome)
+            return result.response()
+        return result
+
+    async def _attempt(self) -> Response | _Failure:
+        """Read the events up to what the client gets first. A stream's head waits for its first chunk: a decode
+        server sends the head before the first token, which needs the prefill, so a prefill that never started
+        is known by then and the request may still go elsewhere (see ``_retry``)."""
         kind, item = await self.events.get()
         if kind == "failed":
-            return self._failed(item)
+            return item
         head: httpx.Response = item
-        if head.is_success and head.headers.get("content-type", "").startswith("text/event-stream"):
-            return _Relay(self, head)
+        streams = head.is_success and head.headers.get("content-type", "").startswith("text/event-stream")
         parts = []
         while (event := await self.events.get())[0] == "chunk":
+            if streams:
+                return _Relay(self, head, event[1])
             parts.append(event[1])
         if event[0] == "failed":
-            return self._failed(event[1])
+            return event[1]
         self.close("ok" if head.is_success else "decode_error")
         return Response(b"".join(parts), head.status_code, media_type=head.headers.get("content-type"))
 
-    def _failed(self, failure: _Failure) -> Response:
-        self.close(failure.outcome)
-        return failure.response()
+    def _retry(self, failure: _Failure) -> bool:
+        """Send the request again, once, when its prefill worker never took it up: nothing has reached the
+        client yet. The decode worker was told that prefill's bootstrap address, so its leg goes too, and the
+        retry is routed as a new request would be, that prefill worker excepted."""
+        if self.retried or not failure.unstarted or failure.outcome != "prefill_error":
+            return False
+        prefill, decode = self.router.prefill.pick(exclude=self.prefill), self.router.decode.pick()
+        if prefill is None or decode is None:
+            return False
+        self.retried = True
+        self.prefill_leg.cancel()  # it has ended: a no-op, but the attempt's legs go together
+        self.decode_leg.cancel()
+        self.router.metrics.retries.labels(self.path).inc()
+        logger.info("%s: %s never took the request up; sending it to prefill worker %s and decode worker %s",
+                    self.path, self.prefill.url, prefill.url, decode.url)
+        self._send(prefill, decode)
+        return True
 
-    async def relay(self) -> AsyncIterator[bytes]:
+    async def relay(self, first: bytes) -> AsyncIterator[bytes]:
+        yield first
         while (event := await self.events.get())[0] == "chunk":
             yield event[1]
         if event[0] == "failed":
@@ -427,11 +593,12 @@ class _Exchange:
 
 
 class _Relay(StreamingResponse):
-    """Streams the decode worker's bytes as they arrive. Closes the exchange however the stream ends, even
-    when the client left before the first byte (Starlette then never starts the body iterator)."""
+    """Streams the decode worker's bytes as they arrive, from ``first`` on. Closes the exchange however the
+    stream ends, even when the client left before the first byte (Starlette then never starts the body
+    iterator)."""
 
-    def __init__(self, exchange: _Exchange, head: httpx.Response) -> None:
-        super().__init__(exchange.relay(), head.status_code, media_type=head.headers["content-type"])
+    def __init__(self, exchange: _Exchange, head: httpx.Response, first: bytes) -> None:
+        super().__init__(exchange.relay(first), head.status_code, media_type=head.headers["content-type"])
         self.exchange = exchange
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -531,6 +698,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="give up on a server that sends nothing for this long")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' of clients")
     parser.add_argument("--worker-api-key", default=None, help="the key the servers require, if any")
+    parser.add_argument("--circuit-breaker-failures", type=int, default=3,
+                        help="leave a server out after this many failures of its own in a row (no connection, "
+                             "a timeout, a 5xx answer; not a 4xx), whatever its health checks say")
+    parser.add_argument("--circuit-breaker-cooldown-s", type=float, default=10.0,
+                        help="for this long; then one request may try it: its success puts the server back, "
+                             "its failure leaves it out for another cooldown")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -539,15 +712,16 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(prefill=tuple(args.prefill or ()), decode=tuple(args.decode or ()), host=args.host,
                         port=args.port, policy=args.policy, health_check_interval_s=args.health_check_interval_s,
                         request_timeout_s=args.request_timeout_s, api_key=args.api_key,
-                        worker_api_key=args.worker_api_key)
+                        worker_api_key=args.worker_api_key, circuit_breaker_failures=args.circuit_breaker_failures,
+                        circuit_breaker_cooldown_s=args.circuit_breaker_cooldown_s)
 
 
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM, then exit 0. Raises ValueError on a bad setting."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = config_from_args(args)
-    logger.info("routing to prefill %s and decode %s (%s)", ", ".join(f"{u} (bootstrap {p})" for u, p in config.prefill),
-                ", ".join(config.decode), config.policy)
+    prefill = ", ".join(f"{url} (bootstrap {port})" for url, port in config.prefill)
+    logger.info("routing to prefill %s and decode %s (%s)", prefill, ", ".join(config.decode), config.policy)
     uv = uvicorn.Config(build_router_app(config), host=config.host, port=config.port, log_level="info",
                         timeout_graceful_shutdown=5, timeout_keep_alive=SERVER_KEEP_ALIVE_S)
     SignalledServer(uv).run()

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import zmq
 
-from moeserve.scheduler.channel import ChannelKeys
+from moeserve.scheduler.channel import ChannelKeys, terminate
 from tests.e2e.server_utils import metric, start_server, wait_for
 
 KEY = "hostile-key"
@@ -212,7 +212,7 @@ def test_a_pickle_or_garbage_on_the_output_socket_runs_nothing(server, answers, 
         _still_serving(server, answers)
         assert not marker.exists()
     finally:
-        ctx.destroy(linger=0)
+        terminate(ctx)
 
 
 def test_a_foreign_peer_on_an_input_socket_receives_nothing(server, answers):
@@ -227,7 +227,7 @@ def test_a_foreign_peer_on_an_input_socket_receives_nothing(server, answers):
         assert all(t.poll(200) == 0 for t in thieves)
         _still_serving(server, answers)
     finally:
-        ctx.destroy(linger=0)
+        terminate(ctx)
 
 
 def test_the_channel_directory_is_private(server):

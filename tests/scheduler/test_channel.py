@@ -19,8 +19,7 @@ def channel():
     try:
         yield keys, ctx, side
     finally:
-        side.stop()
-        ctx.destroy(linger=0)
+        side.close()
 
 
 def test_only_the_launch_key_passes(tmp_path, channel):

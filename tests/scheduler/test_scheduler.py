@@ -178,3 +178,85 @@ def test_values_the_sampler_cannot_use_are_refused(kwargs, field):
 def test_vanishing_temperature_means_greedy():
     assert SamplingParams(temperature=1e-300).greedy and SamplingParams(temperature=0).greedy
     assert not SamplingParams(temperature=0.01).greedy
+
+
+def _fake_clock(llm: LLM) -> list[float]:
+    """The prefill queue's clock, set by the test: ``now[0]`` seconds."""
+    now = [0.0]
+    llm.scheduler.prefill.clock = lambda: now[0]
+    return now
+
+
+def test_queue_timeout_fails_requests_never_started_but_not_one_prefilling(v3_path, reference):
+    llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=512, chunked_prefill_size=8,
+              max_running_requests=1, queue_timeout=5.0)
+    sched, now, prompts = llm.scheduler, _fake_clock(llm), _prompts([12, 30, 7, 19, 25, 10])
+    first = sched.add_request("q0", prompts[1], GREEDY)  # 30 tokens: four chunks of 8
+    sched.step()
+    now[0] = 4.0
+    late = [sched.add_request(f"q{i}", prompts[i], GREEDY) for i in (2, 3)]
+    now[0] = 5.5  # q0 queued 5.5 s ago but is prefilling; the others have waited 1.5 s
+    sched.step()
+    assert sched.prefill.chunked is first and not any(r.finished for r in late)
+    now[0] = 9.5  # q0 is still prefilling (its third chunk), the others waited 5.5 s without starting
+    changed = sched.step()
+    assert all(r in changed and r.finish_reason is FinishReason.ERROR and r.error_status == 503 for r in late)
+    assert late[0].finish_message == "the request waited more than 5.0 s in the queue (--queue-timeout)"
+    while sched.has_work:
+        sched.step()
+    assert first.output_ids == reference[1].token_ids and sched.pages.num_used == 0
+
+
+def test_queue_timeout_spares_retracted_requests(v3_path, reference):
+    # 64 slots cannot hold six requests at once: decode retracts some, which queue again, first in line
+    llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=64, chunked_prefill_size=16, queue_timeout=5.0)
+    sched, now = llm.scheduler, _fake_clock(llm)
+    reqs = [sched.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(_prompts([12, 30, 7, 19, 25, 10]))]
+    while sched.decode.retracted == 0:
+        sched.step()
+    retracted = [r for r in sched.prefill.waiting if r.num_retractions > 0]
+    never_started = [r for r in sched.prefill.waiting if r.num_retractions == 0]
+    assert retracted and never_started
+    now[0] = 1000.0  # every queued request is long overdue: only those never started expire
+    sched.step()
+    assert all(r.finish_reason is FinishReason.ERROR and r.error_status == 503 for r in never_started)
+    while sched.has_work:
+        sched.step()
+    served = [i for i, r in enumerate(reqs) if r.finish_reason is not FinishReason.ERROR]
+    assert {reqs[i].rid for i in served} == {r.rid for r in reqs} - {r.rid for r in never_started}
+    assert [reqs[i].output_ids for i in served] == [reference[i].token_ids for i in served]
+    assert sched.pages.num_used == 0
+
+
+def test_queue_timeout_waits_for_the_tp_group_to_agree(v3_path):
+    llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=512, max_running_requests=1, queue_timeout=1.0)
+    sched, now, calls = llm.scheduler, _fake_clock(llm), []
+
+    def peer_disagrees(values: list[int]) -> list[int]:  # a peer whose clock is behind: nothing overdue yet
+        calls.append(list(values))
+        return [0] * len(values)
+
+    sched.tp_min = peer_disagrees
+    running, waiting = (sched.add_request(f"t{i}", p, GREEDY) for i, p in enumerate(_prompts([12, 7])))
+    sched.step()
+    now[0] = 3.0
+    sched.step()
+    assert calls == [[0, 0], [1]] and not waiting.finished  # overdue here, not yet on the peer
+    sched.tp_min = lambda values: values  # the peer agrees
+    sched.step()
+    assert waiting.finish_reason is FinishReason.ERROR and not running.finished
+
+
+def test_offline_generate_ends_timed_out_requests_with_an_error(v3_path, reference, monkeypatch):
+    llm = LLM(v3_path, dtype="float32", max_total_tokens=512, max_running_requests=1, queue_timeout=2.5)
+    now, forward = _fake_clock(llm), llm.scheduler.runner.forward
+
+    def one_second_each(*args, **kwargs):
+        now[0] += 1.0
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.scheduler.runner, "forward", one_second_each)
+    first, second = llm.generate(_prompts([12, 30]), GREEDY, use_tqdm=False)
+    assert first.token_ids == reference[0].token_ids
+    assert second.finish_reason == "error" and second.token_ids == []
+    assert llm.scheduler.pages.num_used == 0 and not llm.scheduler.has_work

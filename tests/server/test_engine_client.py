@@ -11,7 +11,7 @@ import zmq
 
 from moeserve.config import ParallelConfig
 from moeserve.core import SamplingParams
-from moeserve.scheduler.channel import connect
+from moeserve.scheduler.channel import connect, terminate
 from moeserve.scheduler.io import Codec, EngineInput, EngineStats, GenerateInput, TokenBatch, TokenOutput
 from moeserve.scheduler.ranks import RankAddresses
 from moeserve.server.engine_client import EngineClient
@@ -59,5 +59,5 @@ def test_reader_drops_and_counts_malformed_messages_and_keeps_routing():
         assert client.stats == {} and client.queued == 0
     finally:
         client.close()
-        rank_ctx.destroy(linger=0)
+        terminate(rank_ctx)
         addrs.cleanup()

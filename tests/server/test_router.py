@@ -1,6 +1,7 @@
 """The PD router against fake prefill and decode workers, all served by uvicorn on loopback ports of one
 background event loop: what each leg gets, what the client gets back, cancellation both ways, the
-policies, the health checks, and the openai client through the router."""
+policies, the health checks, retries on another prefill worker, the circuit breaker, and the openai client
+through the router."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moeserve.server.router import (
     GENERATION_PATHS,
+    Circuit,
     Router,
     RouterConfig,
     Worker,
@@ -41,6 +43,7 @@ POLL_S = 0.005
 PIECES = ("Hello", ", ", "world")
 BAD_PROMPT = {"error": {"message": "prompt too long", "type": "invalid_request_error", "param": None, "code": 400}}
 OVERLOADED = {"error": {"message": "overloaded", "type": "server_error", "param": None, "code": 503}}
+BROKEN = {"error": {"message": "the engine died", "type": "server_error", "param": None, "code": 500}}
 
 
 def _until(condition: Callable[[], Any], what: str = "the condition", timeout: float = WAIT_S) -> None:
@@ -89,13 +92,16 @@ class Fake:
     as the body, or none) when it is not 200, else ``_whole`` or, when the body asks to stream, ``_events``.
 
     ``hold_at=0`` holds the answer until ``release`` is set; ``hold_at=n`` holds a stream after n events;
-    ``fail_at=n`` breaks a stream off after n events. ``disconnected`` is set when the router hangs up on a
-    request it has not had the whole answer to."""
+    ``quiet_head`` sends a stream's head at once and its first event once released (as a real decode server
+    does: its first token waits for the prefill); ``fail_at=n`` breaks a stream off after n events.
+    ``disconnected`` is set when the router hangs up on a request it has not had the whole answer to."""
 
     def __init__(self, name: str, status: int = 200, error: dict | None = None, hold_at: int | None = None,
-                 fail_at: int | None = None) -> None:
+                 fail_at: int | None = None, quiet_head: bool = False) -> None:
         self.name, self.status, self.error, self.hold_at, self.fail_at = name, status, error, hold_at, fail_at
+        self.quiet_head = quiet_head
         self.health = 200
+        self.health_checks = 0
         self.paths: list[str] = []
         self.bodies: list[dict] = []
         self.auth: list[str | None] = []
@@ -110,6 +116,7 @@ class Fake:
 
         @app.get("/health")
         async def health() -> Response:
+            self.health_checks += 1
             return Response(status_code=self.health)
 
         @app.get("/v1/models")
@@ -151,7 +158,8 @@ class Fake:
             for i, event in enumerate(_events(path, self.name)):
                 if i and i == self.fail_at:
                     raise RuntimeError("the fake breaks its stream off")
-                while i and i == self.hold_at and not self.release.is_set():
+                held = i == self.hold_at if i else self.quiet_head
+                while held and not self.release.is_set():
                     await asyncio.sleep(POLL_S)  # a disconnect cancels this
                 yield event
             finished = True
@@ -300,6 +308,47 @@ def _first_event(chunks: Iterator[bytes]) -> tuple[bytes, bytes]:
 
 def _who(fakes: list[Fake], text: str) -> list[str]:
     return [f.name for f in fakes if any(b.get("text") == text for b in f.bodies)]
+
+
+def _metric(router: _RouterHandle, sample: str) -> float:
+    """One sample of the router's /metrics, named as it is written there (labels included)."""
+    for line in router.get("/metrics").text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == sample:
+            return float(value)
+    raise AssertionError(f"no {sample} in /metrics")
+
+
+def _retries(router: _RouterHandle, path: str) -> float:
+    return _metric(router, f'moeserve_router:retries_total{{endpoint="{path}"}}')
+
+
+def _circuit_open(router: _RouterHandle, fake: Fake) -> float:
+    return _metric(router, f'moeserve_router:worker_circuit_open{{role="decode",url="{fake.served.url}"}}')
+
+
+def _hold_posts(router: _RouterHandle, url: str, until: Callable[[], Any]) -> None:
+    """Hold the router's POSTs to ``url`` until ``until()`` (at most WAIT_S) before they connect: a leg that
+    must fail only once the other leg has reached its worker."""
+    async def hook(request: httpx.Request) -> None:
+        if request.method == "POST" and str(request.url).startswith(url + "/"):
+            deadline = time.monotonic() + WAIT_S
+            while not until() and time.monotonic() < deadline:
+                await asyncio.sleep(POLL_S)
+
+    router.state.http.event_hooks["request"].append(hook)
+
+
+def _heads(router: _RouterHandle, fake: Fake) -> threading.Event:
+    """Set once the router has the head of an answer from ``fake`` (before reading its body)."""
+    seen = threading.Event()
+
+    async def hook(response: httpx.Response) -> None:
+        if str(response.request.url).startswith(fake.served.url + "/"):
+            seen.set()
+
+    router.state.http.event_hooks["response"].append(hook)
+    return seen
 
 
 def test_both_legs_get_the_client_body_plus_the_bootstrap_fields(cluster):
@@ -605,6 +654,214 @@ def test_router_args_and_config_checks(capsys):
         with pytest.raises(ValueError, match=field):
             RouterConfig(**{**good, field: value})
     assert bootstrap_fields(Worker("prefill", "http://[::1]:30000", 8998))["bootstrap_host"] == "::1"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_no_healthy_worker_of_a_role_gets_a_503_with_retry_after(cluster, role):
+    prefill, decode = cluster.fake("p"), cluster.fake("d")
+    router = cluster.router([prefill], [decode], health_check_interval_s=0.02)
+    down = prefill if role == "prefill" else decode
+    worker = (router.state.prefill if role == "prefill" else router.state.decode).workers[0]
+    down.health = 503
+    _until(lambda: not worker.healthy, f"the {role} worker to be marked down")
+    r = router.post("/v1/completions", json={"prompt": "Hi"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"  # its next health check, rounded up
+    assert r.json() == {"error": {"message": f"no healthy {role} worker", "type": "server_error", "param": None,
+                                  "code": 503}}
+    if role == "decode":
+        assert router.get("/v1/models").headers["retry-after"] == "1"
+    assert not prefill.bodies and not decode.bodies
+
+
+def test_no_decode_worker_with_a_closed_circuit_gets_a_503_with_retry_after(cluster):
+    prefill, decode = cluster.fake("p"), cluster.fake("d", status=500)
+    router = cluster.router([prefill], [decode], circuit_breaker_failures=1, circuit_breaker_cooldown_s=30.0)
+    worker = router.state.decode.workers[0]
+    assert router.post("/generate", json={"text": "#0"}).status_code == 500
+    _until(lambda: not worker.circuit.closed, "the circuit to open")
+    r = router.post("/generate", json={"text": "#1"})
+    assert r.status_code == 503 and 1 <= int(r.headers["retry-after"]) <= 30  # the rest of the cooldown
+    error = r.json()["error"]
+    assert error["code"] == 503 and error["type"] == "server_error" and "circuit" in error["message"]
+    assert _who([decode], "#1") == [] and worker.healthy  # the circuit alone keeps it out
+
+
+def test_an_unreachable_prefill_worker_is_retried_once_on_the_other(cluster, background):
+    dead, prefill, decode = cluster.dead_url(), cluster.fake("p1"), cluster.fake("d", hold_at=0)
+    router = cluster.router([dead, prefill], [decode])
+    _hold_posts(router, dead, until=lambda: decode.bodies)  # the first decode leg arrives before its prefill fails
+    answer = background.submit(router.post, "/generate", json={"text": "Hi"})
+    _until(lambda: len(decode.bodies) == 2 and decode.disconnected.is_set(),
+           "the first decode leg to be cancelled and the second to arrive")
+    decode.release.set()
+    r = answer.result(WAIT_S)
+    assert r.status_code == 200 and r.json() == _whole("/generate", "d")
+    first, second = decode.bodies
+    assert (first["bootstrap_port"], second["bootstrap_port"]) == (9001, 9002)
+    assert first["bootstrap_room"] != second["bootstrap_room"]
+    _until(lambda: prefill.bodies, "the second prefill leg")
+    assert prefill.bodies == [second]
+    assert _retries(router, "/generate") == 1.0
+    assert 'moeserve_router:requests_total{endpoint="/generate",outcome="ok"} 1.0' in router.get("/metrics").text
+    _until(router.idle, "the router to have nothing in flight")
+
+
+def test_a_request_is_retried_once_only(cluster):
+    dead, decode = [cluster.dead_url(), cluster.dead_url()], cluster.fake("d", hold_at=0)
+    router = cluster.router(dead, [decode])
+    r = router.post("/generate", json={"text": "Hi"})
+    assert r.status_code == 502 and f"worker {dead[1]} failed" in r.json()["error"]["message"]  # the retry's failure
+    assert _retries(router, "/generate") == 1.0
+    workers = router.state.prefill.workers
+    _until(lambda: [w.circuit.failures for w in workers] == [1, 1], "one failure at each prefill worker")
+    _until(router.idle, "the router to have nothing in flight")
+    assert [w.circuit.failures for w in workers] == [1, 1] and len(decode.bodies) <= 2
+
+
+def test_a_busy_prefill_worker_is_retried_on_the_other(cluster, background):
+    prefill = [cluster.fake("p0", status=503, error=OVERLOADED, hold_at=0), cluster.fake("p1")]
+    decode = cluster.fake("d", hold_at=0)
+    router = cluster.router(prefill, [decode])
+    answer = background.submit(router.post, "/v1/completions", json={"prompt": "Hi"})
+    _until(lambda: decode.bodies, "the decode leg to arrive")
+    prefill[0].release.set()  # queue full, only now
+    _until(lambda: len(decode.bodies) == 2 and decode.disconnected.is_set(),
+           "the first decode leg to be cancelled and the second to arrive")
+    decode.release.set()
+    r = answer.result(WAIT_S)
+    assert r.status_code == 200 and r.json() == _whole("/v1/completions", "d")
+    assert [b["bootstrap_port"] for b in decode.bodies] == [9001, 9002]
+    assert decode.bodies[0]["bootstrap_room"] != decode.bodies[1]["bootstrap_room"]
+    _until(lambda: prefill[1].bodies, "the second prefill leg")
+    assert prefill[0].bodies == [decode.bodies[0]] and prefill[1].bodies == [decode.bodies[1]]
+    assert _retries(router, "/v1/completions") == 1.0
+
+
+@pytest.mark.parametrize(("status", "error"), [(400, BAD_PROMPT), (500, BROKEN)], ids=["400", "500"])
+def test_a_prefill_worker_that_took_the_request_up_and_failed_is_not_retried(cluster, background, status, error):
+    prefill = [cluster.fake("p0", status=status, error=error, hold_at=0), cluster.fake("p1")]
+    decode = cluster.fake("d", hold_at=0)
+    router = cluster.router(prefill, [decode])
+    answer = background.submit(router.post, "/v1/completions", json={"prompt": "Hi"})
+    _until(lambda: decode.bodies, "the decode leg to arrive")
+    prefill[0].release.set()
+    r = answer.result(WAIT_S)
+    assert r.status_code == status and r.json() == error
+    assert decode.disconnected.wait(WAIT_S)
+    assert len(decode.bodies) == 1 and not prefill[1].bodies
+    assert _retries(router, "/v1/completions") == 0.0
+
+
+def test_a_stream_is_retried_while_nothing_has_reached_the_client(cluster, background):
+    prefill = [cluster.fake("p0", status=503, error=OVERLOADED, hold_at=0), cluster.fake("p1")]
+    decode = cluster.fake("d", quiet_head=True)
+    router = cluster.router(prefill, [decode])
+    head = _heads(router, decode)
+    answer = background.submit(router.post, "/v1/completions", json={"prompt": "Hi", "stream": True})
+    assert head.wait(WAIT_S)  # the decode stream has begun, with no event yet
+    prefill[0].release.set()
+    _until(lambda: len(decode.bodies) == 2 and decode.disconnected.is_set(),
+           "the first decode leg to be cancelled and the second to arrive")
+    decode.release.set()
+    r = answer.result(WAIT_S)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.content == b"".join(_events("/v1/completions", "d"))
+    assert [b["bootstrap_port"] for b in decode.bodies] == [9001, 9002]
+    assert _retries(router, "/v1/completions") == 1.0
+
+
+def test_a_stream_that_has_begun_is_never_retried(cluster):
+    prefill = [cluster.fake("p0", status=503, error=OVERLOADED, hold_at=0), cluster.fake("p1")]
+    decode = cluster.fake("d", hold_at=1)
+    router = cluster.router(prefill, [decode])
+    with httpx.Client(timeout=WAIT_S) as client, client.stream(
+            "POST", router.url + "/v1/completions", json={"prompt": "Hi", "stream": True}) as r:
+        chunks = r.iter_bytes()
+        first, more = _first_event(chunks)
+        prefill[0].release.set()  # queue full, but the client has its first event
+        rest = more + b"".join(chunks)
+    assert r.status_code == 200 and first == _events("/v1/completions", "d")[0]
+    assert rest == b"data: " + json.dumps(OVERLOADED).encode() + b"\n\ndata: [DONE]\n\n"
+    assert decode.disconnected.wait(WAIT_S)
+    assert len(decode.bodies) == 1 and not prefill[1].bodies
+    assert _retries(router, "/v1/completions") == 0.0
+
+
+def test_a_circuit_opens_after_failures_in_a_row_and_one_probe_decides_after_the_cooldown():
+    circuit = Circuit(threshold=3, cooldown_s=10.0)
+    for verdict in (False, False, True, False, None, False):  # a success starts the count again, a 4xx is no verdict
+        circuit.settle(verdict, False, now=0.0)
+    assert circuit.closed and circuit.failures == 2
+    circuit.settle(False, False, now=1.0)
+    assert not circuit.closed and not circuit.admits(10.9) and circuit.admits(11.0)
+    circuit.settle(True, False, now=2.0)  # a leg sent before it opened
+    assert not circuit.closed
+    assert circuit.begin(11.0) and not circuit.admits(11.0)  # one probe at a time
+    circuit.settle(None, True, now=12.0)  # the probe was cancelled: the next leg probes
+    assert circuit.begin(12.0)
+    circuit.settle(False, True, now=13.0)
+    assert not circuit.admits(22.9) and circuit.begin(23.0)
+    circuit.settle(True, True, now=24.0)
+    assert circuit.closed and circuit.failures == 0 and not circuit.begin(24.0)
+    worker = Worker("decode", "http://d", circuit=Circuit(threshold=1))
+    worker.circuit.settle(False, False, time.monotonic())
+    worker.record(True)  # a health check that passes
+    assert worker.healthy and not worker.circuit.closed and not worker.available(time.monotonic())
+
+
+def test_a_failing_decode_worker_is_left_out_until_a_probe_succeeds(cluster, background):
+    prefill, decode = cluster.fake("p"), [cluster.fake("d0", status=500), cluster.fake("d1")]
+    # long enough a cooldown for #5 and #6 to be sent while it lasts
+    router = cluster.router([prefill], decode, circuit_breaker_cooldown_s=1.0, health_check_interval_s=0.02)
+    d0 = router.state.decode.workers[0]
+    assert [router.post("/generate", json={"text": f"#{i}"}).status_code for i in range(5)] == [500, 200] * 2 + [500]
+    _until(lambda: _circuit_open(router, decode[0]) == 1.0, "d0's circuit to open")
+    assert _circuit_open(router, decode[1]) == 0.0
+    checks = decode[0].health_checks
+    _until(lambda: decode[0].health_checks >= checks + 2, "two more health checks of d0")
+    assert d0.healthy and not d0.circuit.closed  # passing health checks do not close it
+    for i in (5, 6):
+        assert router.post("/generate", json={"text": f"#{i}"}).status_code == 200
+    decode[0].status, decode[0].hold_at = 200, 0  # d0 works again; its probe waits for the test
+    _until(lambda: d0.circuit.admits(time.monotonic()), "the cooldown to end", timeout=WAIT_S)
+    probe = background.submit(router.post, "/generate", json={"text": "#7"})
+    _until(lambda: _who(decode, "#7"), "the probe to arrive")
+    for i in (8, 9):  # while the probe is in flight
+        assert router.post("/generate", json={"text": f"#{i}"}).status_code == 200
+    assert _circuit_open(router, decode[0]) == 1.0
+    decode[0].release.set()
+    assert probe.result(WAIT_S).status_code == 200
+    _until(lambda: d0.circuit.closed, "d0's circuit to close")
+    assert _circuit_open(router, decode[0]) == 0.0
+    for i in (10, 11):
+        assert router.post("/generate", json={"text": f"#{i}"}).status_code == 200
+    expected = "d0 d1 d0 d1 d0 d1 d1 d0 d1 d1".split()  # d0 failed #0, #2, #4; was left out; #7 was its probe
+    assert [_who(decode, f"#{i}") for i in range(10)] == [[name] for name in expected]
+    assert sorted(_who(decode, "#10") + _who(decode, "#11")) == ["d0", "d1"]  # round robin includes it again
+
+
+def test_circuit_breaker_args_and_config_checks(capsys):
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    base = ["--pd-disaggregation", "--prefill", "http://p", "--decode", "http://d"]
+    config = config_from_args(parser.parse_args(base))
+    assert (config.circuit_breaker_failures, config.circuit_breaker_cooldown_s) == (3, 10.0)
+    config = config_from_args(parser.parse_args(
+        [*base, "--circuit-breaker-failures", "5", "--circuit-breaker-cooldown-s", "0.5"]))
+    assert (config.circuit_breaker_failures, config.circuit_breaker_cooldown_s) == (5, 0.5)
+    for bad in (["--circuit-breaker-failures", "1.5"], ["--circuit-breaker-cooldown-s", "soon"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*base, *bad])
+    assert "--circuit-breaker" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="circuit_breaker_failures"):
+        config_from_args(parser.parse_args([*base, "--circuit-breaker-failures", "0"]))
+    good: dict[str, Any] = {"prefill": (("http://p:1", 2),), "decode": ("http://d:1",)}
+    for field, value in [("circuit_breaker_failures", 0), ("circuit_breaker_failures", 2.0),
+                         ("circuit_breaker_failures", True), ("circuit_breaker_cooldown_s", 0),
+                         ("circuit_breaker_cooldown_s", -1.0), ("circuit_breaker_cooldown_s", float("nan")),
+                         ("circuit_breaker_cooldown_s", float("inf"))]:
+        with pytest.raises(ValueError, match=field):
+            RouterConfig(**{**good, field: value})
 
 
 def test_run_router_serves_until_sigterm_then_exits_0(cluster):

@@ -17,6 +17,11 @@ _IDS = itertools.count(1)
 _LOCK = threading.Lock()
 
 
+class _HeldWrite:
+    def __init__(self, peer: str, pieces: list[Piece]) -> None:
+        self.peer, self.pieces = peer, pieces
+
+
 class FakeBackend(TransferBackend):
     name = "fake"
 
@@ -27,6 +32,7 @@ class FakeBackend(TransferBackend):
             _REGISTRY[self.id] = self.buffers
         self._peers: dict[str, list[torch.Tensor]] = {}
         self.fail_writes = False  # tests flip this to inject a failed transfer
+        self.hold_writes = False  # ... or to keep writes in flight until they flip it back
 
     def descriptor(self) -> dict[str, Any]:
         return {"fake_id": self.id}
@@ -40,6 +46,9 @@ class FakeBackend(TransferBackend):
     def write(self, peer: str, pieces: list[Piece]) -> object:
         if self.fail_writes or peer not in self._peers:
             return KVPoll.Failed
+        return _HeldWrite(peer, pieces) if self.hold_writes else self._copy(peer, pieces)
+
+    def _copy(self, peer: str, pieces: list[Piece]) -> KVPoll:
         for p in pieces:
             src = self.buffers[p.buffer].view(-1).view(torch.uint8)
             dst = self._peers[peer][p.buffer].view(-1).view(torch.uint8)
@@ -47,6 +56,10 @@ class FakeBackend(TransferBackend):
         return KVPoll.Success
 
     def check(self, handle: object) -> KVPoll:
+        if isinstance(handle, _HeldWrite):
+            if self.hold_writes:
+                return KVPoll.Transferring
+            return self._copy(handle.peer, handle.pieces) if handle.peer in self._peers else KVPoll.Failed
         return handle  # type: ignore[return-value]
 
     def disconnect(self, peer: str) -> None:

@@ -25,8 +25,10 @@ import hmac
 import logging
 import os
 import queue
+import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,15 +39,17 @@ import torch
 import zmq
 
 from moeserve.disagg.transfer.base import KVPoll, Piece, TransferBackend, create_backend
-from moeserve.scheduler.channel import ChannelKeys, ServerSide, connect
+from moeserve.scheduler.channel import ChannelKeys, ServerSide, connect, terminate
 
 logger = logging.getLogger(__name__)
+Address = tuple[str, int]  # a prefill server's bootstrap server (host, port)
 POLL_MS = 2
 REGISTER_RETRY_S = 0.5
 LOOKUP_TIMEOUT_S = 5.0
-# A prefill server whose ranks are still registering answers 503: its rooms wait this long for it.
-ROUTE_WAIT_S = 30.0
-ROUTE_RETRY_S = 0.1
+ROUTE_RETRY_S = 0.1  # a prefill server not up yet, or whose ranks are still registering, is asked again
+EXPIRY_CHECK_S = 0.05
+ENDED_ROOMS_KEPT = 1 << 16  # rooms a prefill rank remembers as ended, to answer a late decode side at once
+INJECTED = "injected failure (MOESERVE_TEST_DISAGG_FAILURE_PROB)"
 
 
 # ---- identity and layout ---------------------------------------------------------------------
@@ -124,6 +128,17 @@ def bootstrap_token(secret: bytes) -> str:
     return hmac.new(secret, b"moeserve-bootstrap", hashlib.sha256).hexdigest()
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """How long each side waits for the other (``DisaggConfig``'s timeouts and heartbeat), seconds."""
+
+    bootstrap: float = 300.0  # prefill: for the decode side's indices; decode: for the route and handshake
+    waiting: float = 300.0  # decode: from the indices sent to the whole KV arrived
+    transfer: float = 60.0  # prefill: one write
+    heartbeat_interval: float = 2.0
+    heartbeat_max_failures: int = 3
+
+
 @dataclass
 class KVArgs:
     """What one rank's manager works with."""
@@ -136,6 +151,8 @@ class KVArgs:
     secret: bytes
     ib_device: str | None = None
     bootstrap: tuple[str, int] | None = None  # prefill: its own bootstrap server
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    failure_prob: float = 0.0  # tests: each poll of a transfer fails with this probability
 
 
 class KVManager:
@@ -150,9 +167,13 @@ class KVManager:
         self._later: list[tuple[float, Callable[[], None]]] = []  # commands to run again at a time
         self._stop = threading.Event()
         self.stats = TransferStats()
+        self._chaos = random.Random()
+        self._next_expiry = 0.0
         self._init_role()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"kv-{role}")
         self._thread.start()
+        if role == "decode":
+            self._heartbeat = Heartbeat(self)
 
     def _init_role(self) -> None:
         if self.role == "prefill":
@@ -161,14 +182,15 @@ class KVManager:
             self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._peers: dict[str, _PeerLink] = {}  # decode_id -> its layout
             self._senders: dict[int, KVSender] = {}
-            self._early: dict[int, list[tuple[RoomRequest, _PeerLink]]] = {}  # before the request itself
+            self._early: dict[int, list[tuple[RoomRequest, _PeerLink, float]]] = {}  # before the request itself
+            self._ended: OrderedDict[int, str] = OrderedDict()  # rooms that ended here -> why (or "")
             self._writes: list[_InFlight] = []
             self._registered = self.args.bootstrap is None
             self._next_register = 0.0
             self._token = bootstrap_token(self.args.secret)
         else:
             self.decode_id = f"{self.args.host}:{os.getpid()}:{self.args.identity.dp_rank}.{self.args.identity.tp_rank}"
-            self._layouts: dict[tuple[str, int], dict] = {}  # (bootstrap host, port) -> its /route answer
+            self._layouts: dict[Address, dict] = {}  # bootstrap server -> its /route answer
             self._dealers: dict[str, _Dealer] = {}  # prefill endpoint -> link
             self._receivers: dict[int, KVReceiver] = {}
 
@@ -183,39 +205,57 @@ class KVManager:
         return sender
 
     def receiver(self, room: int, bootstrap_host: str, bootstrap_port: int, prefill_dp: int | None) -> KVReceiver:
-        receiver = KVReceiver(self, room)
-        self._commands.put(lambda: self._start_receiver(receiver, bootstrap_host, bootstrap_port, prefill_dp))
+        receiver = KVReceiver(self, room, (bootstrap_host, bootstrap_port))
+        self._commands.put(lambda: self._start_receiver(receiver, prefill_dp))
         return receiver
+
+    def inject_failure(self, transfer: KVSender | KVReceiver) -> bool:
+        """Tests (``failure_prob``): True when this poll of ``transfer`` is to fail. One draw per state a
+        transfer is polled in (bootstrapping, waiting, transferring), so that how often a loop polls
+        does not change how many transfers fail."""
+        p, state = self.args.failure_prob, transfer.state
+        if p <= 0 or state in (KVPoll.Success, KVPoll.Failed) or state in transfer.drawn:
+            return False
+        transfer.drawn.add(state)
+        return self._chaos.random() < p
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.role == "decode":
+            self._heartbeat.join()
         self.backend.close()
         if self.role == "prefill":
-            self._side.stop()
-        self.ctx.destroy(linger=0)
+            self._side.close()
+        else:
+            terminate(self.ctx)
 
     # ---- the manager's thread ------------------------------------------------------------------
     def _run(self) -> None:
-        sockets = self._sockets()
-        poller = zmq.Poller()
+        sockets, poller = self._poller()
+        while not self._stop.is_set():
+            try:
+                self.backend.progress()
+                self._run_commands()
+                self._expire()
+                if self.role == "prefill":
+                    self._register_once()
+                    self._check_writes()
+                if self._sockets() != sockets:  # a decode rank's prefill peers came or went
+                    sockets, poller = self._poller()
+                if sockets:
+                    for sock, _ in poller.poll(POLL_MS):
+                        self._receive(sock)
+                else:  # a decode rank before its first peer: Poller.poll would not wait
+                    self._stop.wait(POLL_MS / 1000)
+            except Exception:  # one bad room or message must not end every transfer of the rank
+                logger.exception("the KV transfer thread hit an error; it goes on")
+
+    def _poller(self) -> tuple[list[zmq.Socket], zmq.Poller]:
+        sockets, poller = self._sockets(), zmq.Poller()
         for sock in sockets:
             poller.register(sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            self.backend.progress()
-            self._run_commands()
-            if self.role == "prefill":
-                self._register_once()
-                self._check_writes()
-            if sockets:
-                for sock, _ in poller.poll(POLL_MS):
-                    self._receive(sock)
-            else:  # a decode rank before its first peer: Poller.poll would not wait
-                self._stop.wait(POLL_MS / 1000)
-            if self.role == "decode" and len(self._sockets()) != len(sockets):  # a new prefill peer
-                sockets = self._sockets()
-                for sock in sockets:
-                    poller.register(sock, zmq.POLLIN)
+        return sockets, poller
 
     def _sockets(self) -> list[zmq.Socket]:
         return [self._router] if self.role == "prefill" else [d.sock for d in self._dealers.values()]
@@ -245,7 +285,35 @@ class KVManager:
         elif len(frames) == 1 and (msg := _decode(frames[0])) is not None:
             self._on_decode_message(sock, msg)
 
+    def _expire(self) -> None:
+        """Fail what waited past its deadline (checked every ``EXPIRY_CHECK_S``)."""
+        now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + EXPIRY_CHECK_S
+        if self.role == "prefill":
+            self._expire_prefill(now)
+        else:
+            self._expire_decode(now)
+
     # ---- prefill: peers, rooms, writes -----------------------------------------------------------
+    def _expire_prefill(self, now: float) -> None:
+        limits = self.args.deadlines
+        for sender in list(self._senders.values()):
+            if sender.state is KVPoll.Bootstrapping and now - sender.created > limits.bootstrap:
+                sender.fail(f"no decode rank sent page indices for room {sender.room} within "
+                            f"{limits.bootstrap:g} s (--disaggregation-bootstrap-timeout)")
+        late = [w for w in self._writes if now - w.started > limits.transfer]
+        for write in late:  # given up on: the room fails, whatever the backend still does with it
+            write.sender.fail(f"a KV write of room {write.sender.room} to the decode rank took longer than "
+                              f"{limits.transfer:g} s (--disaggregation-transfer-timeout)")
+        self._writes = [w for w in self._writes if w not in late]
+        for room, entries in list(self._early.items()):  # indices for a request that never came here
+            if now - entries[0][2] > limits.bootstrap:
+                del self._early[room]
+                for msg, link, _ in entries:
+                    self._room_done(link, room, False, f"the prefill server never received request room {room}")
+
     def _register_once(self) -> None:
         """Tell this server's bootstrap server where this rank listens (it may start after us)."""
         if self._registered or time.monotonic() < self._next_register:
@@ -261,23 +329,31 @@ class KVManager:
         self._next_register = time.monotonic() + REGISTER_RETRY_S
 
     def _on_prefill_message(self, identity: bytes, msg: SideMessage) -> None:
+        """Only a peer that passed the handshake (``Hello``) may name rooms."""
         if isinstance(msg, Hello):
             reply = self._hello(msg)
             self._router.send_multipart([identity, _CODEC.encode(reply)])
-        elif isinstance(msg, RoomRequest):
-            link = self._peers.get(msg.decode_id)
-            sender = self._senders.get(msg.room)
-            if link is None:
+            return
+        link = self._peers.get(msg.decode_id) if isinstance(msg, (RoomRequest, RoomAbort)) else None
+        if link is None:
+            return
+        link.identity_frame = identity
+        sender = self._senders.get(msg.room)
+        if isinstance(msg, RoomAbort):
+            why = f"the decode side aborted room {msg.room}"
+            if sender is not None:
+                sender.fail(why)
                 return
-            link.identity_frame = identity
-            if sender is not None:
-                sender.add_target(msg, link)
-            else:
-                self._early.setdefault(msg.room, []).append((msg, link))
-        elif isinstance(msg, RoomAbort):
-            sender = self._senders.get(msg.room)
-            if sender is not None:
-                sender.fail(f"the decode side aborted room {msg.room}")
+            self._remember_ended(msg.room, why)  # before the request reached this rank: it fails on arrival
+            for early, early_link, _ in self._early.pop(msg.room, []):  # and the decode side hears so now
+                self._room_done(early_link, early.room, False, why)
+        elif sender is not None:
+            sender.add_target(msg, link)
+        elif msg.room in self._ended:
+            self._room_done(link, msg.room, False, f"room {msg.room} has already ended on the prefill side: "
+                                                   f"{self._ended[msg.room] or 'done'}")
+        else:
+            self._early.setdefault(msg.room, []).append((msg, link, time.monotonic()))
 
     def _hello(self, msg: Hello) -> HelloReply:
         theirs = RankIdentity(**msg.identity)
@@ -294,7 +370,9 @@ class KVManager:
 
     def _add_sender(self, sender: KVSender) -> None:
         self._senders[sender.room] = sender
-        for msg, link in self._early.pop(sender.room, []):
+        if sender.room in self._ended:  # the decode side gave up on it already
+            sender.fail(self._ended[sender.room])
+        for msg, link, _ in self._early.pop(sender.room, []):
             sender.add_target(msg, link)
 
     def _start_writes(self, sender: KVSender, first_page: int, pages: list[int], last: bool) -> None:
@@ -326,31 +404,34 @@ class KVManager:
         """Every write of the room has landed (or the room failed): tell each decode rank."""
         ok = sender.state is not KVPoll.Failed
         for target in sender.targets.values():
-            self._router.send_multipart([target.link.identity_frame,
-                                         _CODEC.encode(RoomDone(sender.room, ok, sender.message))])
+            self._room_done(target.link, sender.room, ok, sender.message)
         sender.state = KVPoll.Success if ok else KVPoll.Failed
         self.stats.transfers[sender.state.name.lower()] += 1
         self._senders.pop(sender.room, None)
+        self._remember_ended(sender.room, sender.message)
+
+    def _room_done(self, link: _PeerLink, room: int, ok: bool, message: str) -> None:
+        self._router.send_multipart([link.identity_frame, _CODEC.encode(RoomDone(room, ok, message))])
+
+    def _remember_ended(self, room: int, message: str) -> None:
+        self._ended[room] = message
+        while len(self._ended) > ENDED_ROOMS_KEPT:
+            self._ended.popitem(last=False)
 
     # ---- decode: routes, handshakes, rooms -------------------------------------------------------
-    def _start_receiver(self, receiver: KVReceiver, host: str, port: int, prefill_dp: int | None) -> None:
-        if receiver.state is KVPoll.Failed:  # aborted while waiting for the prefill server
+    def _start_receiver(self, receiver: KVReceiver, prefill_dp: int | None) -> None:
+        if receiver.state is KVPoll.Failed:  # aborted, timed out, or its prefill server died meanwhile
             receiver.settled = True
+            self._receivers.pop(receiver.room, None)
             return
         self._receivers[receiver.room] = receiver
         try:
-            endpoint = self._route(host, port, receiver.room, prefill_dp)
-        except (httpx.TransportError, LookupError) as exc:
-            if time.monotonic() < receiver.created + ROUTE_WAIT_S:  # not up, or its ranks still registering
-                self._later.append((time.monotonic() + ROUTE_RETRY_S,
-                                    lambda: self._start_receiver(receiver, host, port, prefill_dp)))
-                return
-            receiver.fail(f"the prefill server at {host}:{port} could not be reached in {ROUTE_WAIT_S:.0f} s: {exc}")
-            receiver.settled = True
+            endpoint = self._route(receiver.bootstrap, receiver.room, prefill_dp)
+        except (httpx.TransportError, LookupError):  # not up yet, or its ranks still registering
+            self._later.append((time.monotonic() + ROUTE_RETRY_S, lambda: self._start_receiver(receiver, prefill_dp)))
             return
         except (httpx.HTTPError, ValueError) as exc:
-            receiver.fail(f"the prefill server at {host}:{port} could not be reached: {exc}")
-            receiver.settled = True
+            self._end_receiver(receiver, f"the prefill server at {_addr(receiver.bootstrap)} could not be used: {exc}")
             return
         dealer = self._dealers.get(endpoint)
         if dealer is None:
@@ -363,13 +444,13 @@ class KVManager:
         if dealer.ready is not None:
             self._settle(dealer)
 
-    def _route(self, host: str, port: int, room: int, prefill_dp: int | None) -> str:
-        layout = self._layouts.get((host, port))
+    def _route(self, bootstrap: Address, room: int, prefill_dp: int | None) -> str:
+        layout = self._layouts.get(bootstrap)
         if layout is None:
-            r = httpx.get(f"{_http(host, port)}/route", timeout=LOOKUP_TIMEOUT_S)
+            r = httpx.get(f"{_http(*bootstrap)}/route", timeout=LOOKUP_TIMEOUT_S)
             if r.status_code != 200:
                 raise LookupError(f"bootstrap answered {r.status_code}: {r.text}")
-            layout = self._layouts[(host, port)] = r.json()
+            layout = self._layouts[bootstrap] = r.json()
         dp = room % layout["attn_dp_size"] if prefill_dp is None else prefill_dp
         if not 0 <= dp < layout["attn_dp_size"]:
             raise ValueError(f"prefill_dp_rank {dp} is not in [0, {layout['attn_dp_size']})")
@@ -403,15 +484,61 @@ class KVManager:
         ident = self.args.identity
         receiver.dealer.sock.send(_CODEC.encode(RoomRequest(
             receiver.room, self.decode_id, ident.tp_rank, ident.attn_tp_size, page_indices, aux_index)))
-        receiver.requested = True
+        receiver.requested, receiver.requested_at = True, time.monotonic()
 
     def _abort_room(self, receiver: KVReceiver) -> None:
-        """Tell the prefill rank; the room settles when it confirms (its writes in flight landed)."""
+        """Tell the prefill rank (so that it stops at once); the room settles when it confirms (its
+        writes in flight landed), or at once when the indices never left."""
+        if receiver.dealer is not None and receiver.dealer.ready and receiver.dealer in self._dealers.values():
+            receiver.dealer.sock.send(_CODEC.encode(RoomAbort(receiver.room, self.decode_id)))
         if not receiver.requested:
             self._receivers.pop(receiver.room, None)
             receiver.settled = True
-            return
-        receiver.dealer.sock.send(_CODEC.encode(RoomAbort(receiver.room, self.decode_id)))
+
+    def _end_receiver(self, receiver: KVReceiver, message: str) -> None:
+        """Fail a room nothing will write into any more (no indices sent, or its prefill server is gone)."""
+        receiver.fail(message)
+        receiver.settled = True
+        self._receivers.pop(receiver.room, None)
+
+    def _expire_decode(self, now: float) -> None:
+        limits = self.args.deadlines
+        for receiver in list(self._receivers.values()):
+            if receiver.state is KVPoll.Bootstrapping and now - receiver.created > limits.bootstrap:
+                self._end_receiver(receiver, f"the prefill server at {_addr(receiver.bootstrap)} did not answer the "
+                                             f"route lookup and handshake within {limits.bootstrap:g} s "
+                                             "(--disaggregation-bootstrap-timeout)")
+            elif receiver.requested and now - receiver.requested_at > limits.waiting:
+                # the role's abort tells the prefill side; the pages wait until it confirms
+                receiver.fail(f"the KV cache of room {receiver.room} did not arrive within {limits.waiting:g} s "
+                              "(--disaggregation-waiting-timeout)")
+
+    def watched(self) -> set[Address]:
+        """The prefill servers (bootstrap addresses) this rank has rooms with; any thread may ask."""
+        return {r.bootstrap for r in tuple(self._receivers.values()) if not r.settled}
+
+    def layout_instance(self, bootstrap: Address) -> str | None:
+        """The instance id of the prefill server whose layout this rank uses; any thread may ask."""
+        layout = self._layouts.get(bootstrap)
+        return None if layout is None else layout.get("instance")
+
+    def prefill_gone(self, bootstrap: Address, why: str) -> None:
+        """The prefill server at ``bootstrap`` died or restarted (the heartbeat says): fail exactly its
+        rooms (nothing of it can write into their pages any more), drop its connections and its
+        layout, so that a request naming it later looks it up and shakes hands anew."""
+        message = f"the prefill server at {_addr(bootstrap)} {why}"
+        for receiver in list(self._receivers.values()):
+            if receiver.bootstrap == bootstrap:
+                self._end_receiver(receiver, message)
+        layout = self._layouts.pop(bootstrap, None)
+        for endpoint in layout["endpoints"] if layout else []:
+            dealer = self._dealers.pop(endpoint, None)
+            if dealer is not None:
+                for receiver in dealer.waiting:
+                    self._end_receiver(receiver, message)
+                dealer.sock.close(linger=0)
+        self.stats.peers_lost += 1
+        logger.warning("%s: its requests failed, its connections dropped", message)
 
 
 @dataclass
@@ -452,6 +579,7 @@ class TransferStats:
     bytes: int = 0
     seconds: float = 0.0
     writes: int = 0
+    peers_lost: int = 0  # decode: prefill servers found dead or restarted by the heartbeat
 
     def add(self, nbytes: int, seconds: float) -> None:
         self.bytes += nbytes
@@ -469,8 +597,12 @@ class KVSender:
         self.message = ""
         self.targets: dict[int, _Target] = {}  # decode TP rank -> where its copy goes
         self.last_sent = False
+        self.created = time.monotonic()
+        self.drawn: set[KVPoll] = set()  # states a failure was drawn for (``inject_failure``)
 
     def poll(self) -> KVPoll:
+        if self.manager.inject_failure(self):
+            self.fail(INJECTED)
         return self.state
 
     def add_target(self, msg: RoomRequest, link: _PeerLink) -> None:
@@ -505,8 +637,8 @@ class KVSender:
         if self.state is not KVPoll.Success:
             self.state, self.message = KVPoll.Failed, message
 
-    def abort(self) -> None:
-        self.manager._commands.put(lambda: self.fail("aborted on the prefill side"))
+    def abort(self, message: str = "aborted on the prefill side") -> None:
+        self.manager._commands.put(lambda: self.fail(message))
 
 
 class MirrorSender:
@@ -530,16 +662,20 @@ class MirrorSender:
 class KVReceiver:
     """The decode side of one room."""
 
-    def __init__(self, manager: KVManager, room: int) -> None:
-        self.manager, self.room = manager, room
+    def __init__(self, manager: KVManager, room: int, bootstrap: Address) -> None:
+        self.manager, self.room, self.bootstrap = manager, room, bootstrap
         self.state = KVPoll.Bootstrapping
         self.message = ""
         self.dealer: _Dealer | None = None
         self.created = time.monotonic()
         self.requested = False  # the prefill rank has this room's page indices
+        self.requested_at = 0.0
         self.settled = False  # nothing of the prefill side will write into this room's pages any more
+        self.drawn: set[KVPoll] = set()  # states a failure was drawn for (``inject_failure``)
 
     def poll(self) -> KVPoll:
+        if self.manager.inject_failure(self):
+            self.abort(INJECTED)
         return self.state
 
     def init(self, page_indices: list[int], aux_index: int) -> None:
@@ -561,13 +697,62 @@ class KVReceiver:
         if self.state is not KVPoll.Success:
             self.state, self.message = KVPoll.Failed, message
 
-    def abort(self) -> None:
-        self.fail("aborted")
+    def abort(self, message: str = "aborted") -> None:
+        self.fail(message)
         self.manager._commands.put(lambda: self.manager._abort_room(self))
 
 
 def _http(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _addr(bootstrap: Address) -> str:
+    return _http(*bootstrap).removeprefix("http://")
+
+
+class Heartbeat:
+    """A decode rank's watch over the prefill servers it has rooms with: ``GET /health`` of each one's
+    bootstrap server every ``heartbeat_interval``. A server that misses ``heartbeat_max_failures``
+    checks in a row, or answers with another instance id than the one this rank shook hands with (it
+    restarted), is gone: the manager fails exactly its rooms. Its own thread, so that a server that
+    does not answer never delays a transfer."""
+
+    def __init__(self, manager: KVManager) -> None:
+        self.manager = manager
+        self.misses: dict[Address, int] = {}
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kv-heartbeat")
+        self._thread.start()
+
+    def _run(self) -> None:
+        limits = self.manager.args.deadlines
+        with httpx.Client(timeout=min(limits.heartbeat_interval, LOOKUP_TIMEOUT_S), trust_env=False) as http:
+            while not self.manager._stop.wait(limits.heartbeat_interval):
+                watched = self.manager.watched()
+                self.misses = {a: n for a, n in self.misses.items() if a in watched}
+                for bootstrap in watched:
+                    why = self._check(http, bootstrap, limits.heartbeat_max_failures)
+                    if why is not None:
+                        self.misses.pop(bootstrap, None)
+                        self.manager._commands.put(lambda b=bootstrap, w=why: self.manager.prefill_gone(b, w))
+
+    def _check(self, http: httpx.Client, bootstrap: Address, max_failures: int) -> str | None:
+        """Why the server at ``bootstrap`` counts as gone, or None while it is fine."""
+        try:
+            r = http.get(f"{_http(*bootstrap)}/health")
+            instance = r.json().get("instance") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            instance = None
+        if instance is None:
+            self.misses[bootstrap] = self.misses.get(bootstrap, 0) + 1
+            if self.misses[bootstrap] >= max_failures:
+                return f"missed {max_failures} health checks in a row"
+            return None
+        self.misses.pop(bootstrap, None)
+        known = self.manager.layout_instance(bootstrap)
+        return "restarted" if known is not None and known != instance else None
+
+    def join(self) -> None:
+        self._thread.join(timeout=5)
 
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -5,6 +5,7 @@ cross-process copy between DRAM buffers on one host."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import time
@@ -41,6 +42,10 @@ class NixlBackend(TransferBackend):
             # when the agent loads it, so it is set before the agent exists; setdefault leaves an
             # operator's own UCX_MODULES alone.
             os.environ.setdefault("UCX_MODULES", "^ib")
+        if _is_loopback(host):
+            # UCX listens on every network device it may use: on a loopback deployment only ``lo``,
+            # so that no port of this server opens on another interface (as every listener of moeserve)
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
         from nixl._api import nixl_agent, nixl_agent_config
 
         # Random suffix, not a counter: a restarted peer may reuse a pid while the prefill side
@@ -153,6 +158,13 @@ class NixlBackend(TransferBackend):
         if self._registered is not None:
             self.agent.deregister_memory(self._registered)
             self._registered = None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return host == "localhost"
 
 
 def _region(t: torch.Tensor) -> list[int]:
