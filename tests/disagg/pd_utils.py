@@ -58,14 +58,21 @@ def pd_scheduler(model_path: str, mode: str, backend: str, bootstrap_port: int, 
     return Scheduler(config, runner, None, make_role(mode, config, single(), runner))
 
 
-def run_pair(prefill: Scheduler, decode: Scheduler, prompts: list[list[int]], params: SamplingParams,
-             bootstrap_port: int, timeout_s: float = 120) -> list[Req]:
-    """Every prompt through both schedulers, stepping them in turn until the decode side is done."""
+def add_pair(prefill: Scheduler, decode: Scheduler, prompts: list[list[int]], params: SamplingParams,
+             bootstrap_port: int) -> list[Req]:
+    """Every prompt on both schedulers, as the router sends it; the decode side's requests."""
     reqs = []
     for i, ids in enumerate(prompts):
         info = BootstrapInfo("127.0.0.1", bootstrap_port, room=1000 + i)
         prefill.add_request(f"p{i}", ids, params, info)
         reqs.append(decode.add_request(f"d{i}", ids, params, info))
+    return reqs
+
+
+def run_pair(prefill: Scheduler, decode: Scheduler, prompts: list[list[int]], params: SamplingParams,
+             bootstrap_port: int, timeout_s: float = 120) -> list[Req]:
+    """Every prompt through both schedulers, stepping them in turn until the decode side is done."""
+    reqs = add_pair(prefill, decode, prompts, params, bootstrap_port)
     deadline = time.monotonic() + timeout_s
     while not all(r.finished for r in reqs):
         if time.monotonic() > deadline:

@@ -10,7 +10,7 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.core import BootstrapInfo
-from tests.disagg.pd_utils import ENGINE, bootstrap_server, pd_scheduler, run_pair
+from tests.disagg.pd_utils import ENGINE, add_pair, bootstrap_server, pd_scheduler, run_pair
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -128,7 +128,13 @@ def test_a_decode_server_short_of_pages_retracts_and_recomputes_locally(model_pa
         decode = pd_scheduler(model_path, "decode", "fake", port, secret, max_total_tokens=48)
         try:
             prompts = _prompts([7, 30, 45, 3])
-            reqs = run_pair(prefill, decode, [prompts[0], prompts[3], prompts[0], prompts[3]], GREEDY, port)
+            reqs = add_pair(prefill, decode, [prompts[0], prompts[3], prompts[0], prompts[3]], GREEDY, port)
+            deadline = time.monotonic() + 60
+            while len(decode.decode.running) < len(reqs):  # all four transferred before any decodes,
+                assert time.monotonic() < deadline  # however the machine's load times the transfers
+                prefill.step()
+                decode.role.poll()
+                time.sleep(0.001)
             _settle(prefill, decode)
             assert decode.decode.retracted > 0
             assert [r.output_ids for r in reqs] == [reference[0], reference[3]] * 2
