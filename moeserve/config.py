@@ -279,7 +279,6 @@ class ParallelConfig:
     deepep_mode: str = flag("auto", choices=DEEPEP_MODES)
     moe_dense_tp_size: int | None = flag(None, "TP size of the dense FFN layers (default: the attention-TP size)")
     enable_dp_lm_head: bool = flag(False, "vocab-parallel LM head inside attention TP")
-    ep_num_redundant_experts: int = flag(0)
     max_dispatch_tokens_per_rank: int = flag(128, "low-latency dispatch buffer: tokens per source rank")
     nnodes: int = flag(1)
     node_rank: int = flag(0)
@@ -302,7 +301,6 @@ class ParallelConfig:
         _require(self.ep_world in (1, n), "ep_size", f"must be 1 or tp_size ({n})")
         _require(self.moe_a2a_backend != "none" or self.ep_world == 1, "ep_size",
                  "> 1 needs an all-to-all backend (--moe-a2a-backend torch or deepep)")
-        _require(self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0")
         _require(self.max_dispatch_tokens_per_rank >= 1, "max_dispatch_tokens_per_rank", "must be >= 1")
         _require(self.nnodes >= 1 and n % self.nnodes == 0, "nnodes", f"must divide tp_size {n}")
         _require(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, {self.nnodes})")
@@ -397,6 +395,60 @@ class DisaggConfig:
                                                                "pd_secret")
 
 
+EP_DISPATCH_ALGORITHMS = ("static", "dynamic", "fake")
+RECORDER_MODES = ("stat", "per_pass", "per_token")
+EPLB_WEIGHT_SOURCES = ("host", "mmap")
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """The expert-parallel load balancer (SGLang's flag names): redundant expert slots, where experts
+    start, how a routed logical expert picks one of its replicas, the recorder of expert load, and
+    online rebalancing every ``eplb_rebalance_num_iterations`` forward passes."""
+
+    ep_num_redundant_experts: int = flag(0, "physical expert slots beyond one per logical expert")
+    init_expert_location: str = flag("trivial", "trivial, a placement or distribution file (.json / .pt), or "
+                                                "inline JSON (see moeserve eplb plan)")
+    ep_dispatch_algorithm: str = flag("static", "which replica a routed expert goes to: static (one on this "
+                                                "rank, else a fixed one), dynamic (random per token), fake "
+                                                "(uniform random experts: a perfectly balanced load)",
+                                      EP_DISPATCH_ALGORITHMS)
+    expert_distribution_recorder_mode: str | None = flag(None, "record tokens per expert (on with "
+                                                               "--enable-eplb: stat)", RECORDER_MODES)
+    expert_distribution_recorder_buffer_size: int = flag(1000, "stat: the window of forward passes kept")
+    expert_distribution_recorder_dir: str | None = flag(None, "where /dump_expert_distribution_record "
+                                                              "writes (default: a folder under the system "
+                                                              "temp dir)")
+    enable_eplb: bool = flag(False, "rebalance experts online from the recorded load")
+    eplb_rebalance_num_iterations: int = flag(1000, "forward passes between rebalances")
+    eplb_rebalance_layers_per_chunk: int | None = flag(None, "layers moved per pause between two steps "
+                                                             "(default: all at once)")
+    eplb_weights_source: str = flag("host", "where moved expert weights come from: host (a copy in host "
+                                            "memory made at load) or mmap (read from the checkpoint on "
+                                            "demand)", EPLB_WEIGHT_SOURCES)
+
+    def __post_init__(self) -> None:
+        _require(self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "must be >= 0")
+        _require(self.ep_dispatch_algorithm in EP_DISPATCH_ALGORITHMS, "ep_dispatch_algorithm",
+                 f"must be one of {EP_DISPATCH_ALGORITHMS}")
+        _require(self.expert_distribution_recorder_mode in (None, *RECORDER_MODES),
+                 "expert_distribution_recorder_mode", f"must be one of {RECORDER_MODES}")
+        _require(self.expert_distribution_recorder_buffer_size >= 1, "expert_distribution_recorder_buffer_size",
+                 "must be >= 1")
+        _require(self.eplb_rebalance_num_iterations >= 1, "eplb_rebalance_num_iterations", "must be >= 1")
+        _require(self.eplb_rebalance_layers_per_chunk is None or self.eplb_rebalance_layers_per_chunk >= 1,
+                 "eplb_rebalance_layers_per_chunk", "must be >= 1")
+        _require(self.eplb_weights_source in EPLB_WEIGHT_SOURCES, "eplb_weights_source",
+                 f"must be one of {EPLB_WEIGHT_SOURCES}")
+        _require(not self.enable_eplb or self.expert_distribution_recorder_mode in (None, "stat"),
+                 "expert_distribution_recorder_mode", "must be stat (or unset) with --enable-eplb")
+
+    @property
+    def recorder_mode(self) -> str | None:
+        """The recorder that runs: the one asked for, or stat for online rebalancing."""
+        return self.expert_distribution_recorder_mode or ("stat" if self.enable_eplb else None)
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """How the model runner executes: decode batches replay CUDA graphs captured per batch size."""
@@ -428,6 +480,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    eplb: EplbConfig = field(default_factory=EplbConfig)
 
     @property
     def context_length(self) -> int:
@@ -462,7 +515,7 @@ class ServerConfig:
 
 
 _SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-             "runner": RunnerConfig, "disagg": DisaggConfig}
+             "runner": RunnerConfig, "disagg": DisaggConfig, "eplb": EplbConfig}
 
 
 def config_flags(classes: tuple[type, ...] | None = None) -> list[tuple[str, type, Any, FlagSpec]]:
@@ -507,5 +560,5 @@ def engine_config_for(model: ModelConfig, model_path: str | None = None, **setti
         model=model, load=load,
         cache=CacheConfig(**by_section["cache"]), scheduler=SchedulerConfig(**by_section["scheduler"]),
         parallel=ParallelConfig(**by_section["parallel"]), runner=RunnerConfig(**by_section["runner"]),
-        disagg=DisaggConfig(**by_section["disagg"]),
+        disagg=DisaggConfig(**by_section["disagg"]), eplb=EplbConfig(**by_section["eplb"]),
     )

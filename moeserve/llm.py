@@ -13,6 +13,8 @@ from moeserve.config import build_engine_config
 from moeserve.core import Req, SamplingParams, TokenLogprob
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.models.tokenizer import load_tokenizer
+from moeserve.scheduler.controls import ExpertControls
+from moeserve.scheduler.io import ControlOutput, ExpertAction, ExpertControlInput
 from moeserve.scheduler.scheduler import Scheduler
 from moeserve.scheduler.validation import check_request
 
@@ -87,6 +89,40 @@ class LLM:
                 finished = sum(r.finished for r in self.scheduler.step())
                 bar.update(finished)
         return [_output(r) for r in reqs]
+
+    # ---- the expert recorder and placement (as the server's HTTP paths) ----------------------------
+    def start_expert_distribution_record(self) -> dict:
+        return self._expert_control("start_record")
+
+    def stop_expert_distribution_record(self) -> dict:
+        return self._expert_control("stop_record")
+
+    def dump_expert_distribution_record(self) -> dict:
+        """Write the recorded load (``eplb.files`` format); ``{"path": ...}``."""
+        return self._expert_control("dump_record")
+
+    def rebalance_experts(self) -> dict:
+        """Rebalance now from the recorded window (with ``enable_eplb``); returns when done."""
+        return self._expert_control("rebalance")
+
+    def expert_stats(self) -> dict:
+        """Rebalances, balancedness, pauses and the current ``phy2log``."""
+        return self._expert_control("stats")
+
+    def _expert_control(self, action: ExpertAction) -> dict:
+        if self._ranks is not None:
+            answer = self._ranks.control(action)
+        else:
+            answers: list[ControlOutput] = []
+            controls = ExpertControls(self.runner.eplb, self.config.eplb, answers.append)
+            controls.add(ExpertControlInput(1, action))
+            controls.run(1)
+            while not answers:  # a rebalance moves on between passes: idle ones, here
+                self.runner.forward(None)
+            answer = answers[0]
+        if not answer.ok:
+            raise ValueError(answer.message)
+        return answer.result
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
         if self.tokenizer is None:

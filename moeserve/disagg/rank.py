@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 
 import torch
@@ -14,6 +12,7 @@ from moeserve.disagg.secret import read_secret
 from moeserve.disagg.transfer.manager import Deadlines, KVArgs, KVManager, RankIdentity
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.executor.model_runner import ModelRunner
+from moeserve.models.checkpoint import model_fingerprint
 
 FAILURE_PROB_ENV = "MOESERVE_TEST_DISAGG_FAILURE_PROB"
 
@@ -61,17 +60,3 @@ def failure_prob() -> float:
     if not 0 <= p <= 1:
         raise ValueError(f"{FAILURE_PROB_ENV} must be in [0, 1], got {p}")
     return p
-
-
-def model_fingerprint(config: EngineConfig) -> str:
-    """The same for two servers of one model: its config and the names and sizes of its weight files
-    (random weights: the config and the seed)."""
-    load = config.load
-    h = hashlib.sha256(json.dumps(config.model.__dict__, sort_keys=True, default=str).encode())
-    if load.load_format == "dummy" or load.model_path is None:
-        h.update(f"dummy:{load.seed}".encode())
-    else:
-        for name in sorted(os.listdir(load.model_path)):
-            if name.endswith((".safetensors", ".json")):
-                h.update(f"{name}:{os.path.getsize(os.path.join(load.model_path, name))}".encode())
-    return h.hexdigest()[:16]

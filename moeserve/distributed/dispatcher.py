@@ -57,6 +57,12 @@ class Dispatcher(ABC):
     """Routes tokens to experts and back. ``hidden [T, D]``, ``topk_ids [T, k]`` int64 physical
     expert ids, ``topk_weights [T, k]`` (fp32). ``dispatch``/``combine`` are ``b(a(...))``."""
 
+    # True promises that dispatch has read ``hidden`` (in stream order) when ``dispatch_a``
+    # returns, and that the receive buffer it hands back is allocated per call and kept by
+    # nothing of the dispatcher's: the caller may then free either early (``layers/disposable``).
+    # A backend that hands out views of a persistent buffer leaves it False.
+    disposable_buffers: bool = False
+
     @abstractmethod
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> object:
         """Start sending the tokens; returns a pending object for ``dispatch_b``."""
@@ -94,6 +100,8 @@ class LocalDispatcher(Dispatcher):
     halves are trivial (nothing to overlap). No host sync and fixed shapes (``T * k`` rows), so
     it runs inside CUDA graphs; combine sums each token's ``k`` rows in a fixed order, so the
     result does not depend on atomics."""
+
+    disposable_buffers = True  # ``index_select`` copies the tokens into a new buffer
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts

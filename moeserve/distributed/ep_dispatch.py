@@ -103,6 +103,8 @@ class TorchNormalDispatcher(Dispatcher):
     part in every collective like the others and gets ``[0, D]`` back from ``combine``.
     """
 
+    disposable_buffers = True  # sends a copy (``index_select``); the layout is allocated per call
+
     def __init__(self, ep: Group, num_local_experts: int, alignment: int = 1) -> None:
         if alignment < 1:
             raise ValueError(f"alignment must be positive, got {alignment}")
@@ -210,6 +212,8 @@ class TorchLowLatencyDispatcher(Dispatcher):
     indexing), so a CUDA graph can capture dispatch, experts and combine for a fixed ``T``.
     ``T > C`` raises ``ValueError`` (a shape check, no sync): the scheduler must split the batch.
     """
+
+    disposable_buffers = True  # sends a copy (``send``); the masked layout is allocated per call
 
     def __init__(self, ep: Group, num_local_experts: int, max_dispatch_tokens_per_rank: int) -> None:
         if max_dispatch_tokens_per_rank < 1:

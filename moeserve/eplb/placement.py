@@ -1,11 +1,17 @@
-"""Where each expert lives: the physical-slot maps of DeepSeek's EPLB.
+"""Where each expert lives: the physical-slot maps of DeepSeek's EPLB, and how a routed logical
+expert picks one of its replicas.
 
 Abbreviations, defined once:
 - ``phy2log [layers, physical]``: the logical expert held by each physical slot;
-- ``log2phy [layers, logical, max_replicas]``: the physical slots holding each logical expert,
-  padded with -1;
+- ``log2phy [layers, logical, X]``: the physical slots holding each logical expert, padded with
+  -1; ``X = 1 + redundant slots`` (the most replicas one expert can have), fixed for a server;
 - ``logcnt [layers, logical]``: how many replicas each logical expert has.
 Physical slot ``p`` lives on EP rank ``p // slots_per_rank``.
+
+``ExpertPlacement`` is a placement as plain CPU tensors (built, checked, compared, saved);
+``ExpertLocation`` holds the one a server runs with on its device, in tensors whose shapes never
+change: a rebalance copies new values into them (``update_layer``), so code paths and CUDA graphs
+that read them stay valid.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+DISPATCH_ALGORITHMS = ("static", "dynamic", "fake")
 
 
 @dataclass(frozen=True)
@@ -48,13 +56,19 @@ class ExpertPlacement:
 
     @classmethod
     def from_phy2log(cls, phy2log: torch.Tensor, num_logical: int, ep_size: int) -> ExpertPlacement:
-        """Build ``log2phy`` and ``logcnt`` from ``phy2log [layers, physical]``."""
-        layers = phy2log.shape[0]
+        """Build ``log2phy`` (width ``X = physical - logical + 1``) and ``logcnt`` from ``phy2log
+        [layers, physical]``; raises ValueError when a logical expert has no slot."""
+        phy2log = phy2log.to(torch.int64).cpu()
+        layers, physical = phy2log.shape
+        if physical < num_logical:
+            raise ValueError(f"{physical} physical slots cannot hold {num_logical} logical experts")
+        if phy2log.numel() and (phy2log.min() < 0 or phy2log.max() >= num_logical):
+            raise ValueError(f"phy2log names experts outside [0, {num_logical})")
         logcnt = torch.zeros(layers, num_logical, dtype=torch.int64)
         logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
         if (logcnt == 0).any():
             raise ValueError("every logical expert needs at least one physical slot")
-        log2phy = torch.full((layers, num_logical, int(logcnt.max())), -1, dtype=torch.int64)
+        log2phy = torch.full((layers, num_logical, physical - num_logical + 1), -1, dtype=torch.int64)
         for layer in range(layers):
             seen = [0] * num_logical
             for phy, log in enumerate(phy2log[layer].tolist()):
@@ -73,35 +87,72 @@ class ExpertPlacement:
         phy2log = torch.tensor(order, dtype=torch.int64).expand(num_layers, -1).contiguous()
         return cls.from_phy2log(phy2log, num_logical, ep_size)
 
-    def to_physical(self, layer: int, topk_ids: torch.Tensor, ep_rank: int) -> torch.Tensor:
-        """Map logical ``topk_ids [T, k]`` to physical slots, preferring a replica on ``ep_rank``
-        and otherwise spreading tokens over the replicas by token index."""
-        return self.layer_map(layer, topk_ids.device).to_physical(topk_ids, ep_rank)
 
-    def layer_map(self, layer: int, device: torch.device | str) -> LayerExpertMap:
-        """One layer's maps on ``device``, made once so that routing needs no host copy or sync
-        each step (and can be captured in a CUDA graph)."""
-        logcnt = self.logcnt[layer]
-        return LayerExpertMap(self.log2phy[layer].to(device), logcnt.to(device), int(logcnt.max()),
-                              self.slots_per_rank)
+class ExpertLocation:
+    """The placement a server runs with, on its device, in tensors of fixed shapes."""
+
+    def __init__(self, placement: ExpertPlacement, device: torch.device | str) -> None:
+        self.ep_size, self.slots_per_rank = placement.ep_size, placement.slots_per_rank
+        self.num_logical, self.num_physical = placement.num_logical, placement.num_physical
+        self.phy2log = placement.phy2log.to(device)  # [L, P]
+        self.log2phy = placement.log2phy.to(device)  # [L, E, X]
+        self.logcnt = placement.logcnt.to(device)  # [L, E]
+
+    @property
+    def width(self) -> int:
+        return self.log2phy.shape[2]
+
+    def placement(self) -> ExpertPlacement:
+        """The maps as they are now, on the CPU (a host sync)."""
+        return ExpertPlacement(self.phy2log.cpu(), self.log2phy.cpu(), self.logcnt.cpu(), self.ep_size)
+
+    def update_layer(self, layer: int, new: ExpertPlacement) -> None:
+        """Take ``new``'s maps of ``layer`` (same sizes): values change, shapes and storage stay."""
+        if new.log2phy.shape[1:] != self.log2phy.shape[1:] or new.num_physical != self.num_physical:
+            raise ValueError(f"a placement of {new.num_physical} slots and width {new.log2phy.shape[2]} cannot "
+                             f"replace one of {self.num_physical} slots and width {self.width}")
+        self.phy2log[layer].copy_(new.phy2log[layer], non_blocking=True)
+        self.log2phy[layer].copy_(new.log2phy[layer], non_blocking=True)
+        self.logcnt[layer].copy_(new.logcnt[layer], non_blocking=True)
+
+    def layer_map(self, layer: int, ep_rank: int, algorithm: str = "static") -> LayerExpertMap:
+        """One layer's routing to physical slots, reading this location's tensors (views)."""
+        if algorithm not in DISPATCH_ALGORITHMS:
+            raise ValueError(f"ep_dispatch_algorithm must be one of {DISPATCH_ALGORITHMS}, got {algorithm!r}")
+        return LayerExpertMap(self.log2phy[layer], self.logcnt[layer], self.slots_per_rank, ep_rank,
+                              self.num_physical, algorithm)
 
 
 @dataclass(frozen=True)
 class LayerExpertMap:
-    """``log2phy [logical, max_replicas]`` and ``logcnt [logical]`` of one layer, on the device."""
+    """``log2phy [logical, X]`` and ``logcnt [logical]`` of one layer (views of the location's
+    tensors on the device), and how this rank picks among replicas. Only tensor shapes steer the
+    code, so a CUDA graph can capture it and a rebalance changes only values."""
 
     log2phy: torch.Tensor
     logcnt: torch.Tensor
-    max_replicas: int
     slots_per_rank: int
+    ep_rank: int
+    num_physical: int
+    algorithm: str = "static"
 
-    def to_physical(self, topk_ids: torch.Tensor, ep_rank: int) -> torch.Tensor:
-        """Logical ``topk_ids [T, k]`` -> physical slots ``[T, k]``."""
-        if self.max_replicas == 1:
+    def to_physical(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Logical ``topk_ids [T, k]`` -> physical slots ``[T, k]``.
+
+        static: a replica on this rank if there is one, else replica ``ep_rank mod logcnt`` (each
+        rank sends an expert's tokens to one replica, and the ranks spread over the replicas);
+        dynamic: a replica drawn at random per token; fake: ``k`` distinct slots drawn uniformly
+        per token whatever the router chose (a perfectly balanced load, for measurements)."""
+        if self.algorithm == "fake":
+            noise = torch.rand(topk_ids.shape[0], self.num_physical, device=topk_ids.device)
+            return noise.topk(topk_ids.shape[1], dim=1).indices
+        if self.log2phy.shape[1] == 1:
             return self.log2phy[topk_ids, 0]
-        replicas = self.log2phy[topk_ids]  # [T, k, R]
-        local = (replicas // self.slots_per_rank == ep_rank) & (replicas >= 0)
-        token = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
-        spread = token % self.logcnt[topk_ids]  # [T, k]
-        choice = torch.where(local.any(-1), local.int().argmax(-1), spread)
+        replicas = self.log2phy[topk_ids]  # [T, k, X]
+        count = self.logcnt[topk_ids]  # [T, k]
+        if self.algorithm == "dynamic":
+            choice = (torch.rand(topk_ids.shape, device=topk_ids.device) * count).long().clamp_(max=count - 1)
+        else:
+            local = (replicas // self.slots_per_rank == self.ep_rank) & (replicas >= 0)
+            choice = torch.where(local.any(-1), local.int().argmax(-1), self.ep_rank % count)
         return replicas.gather(2, choice.unsqueeze(-1)).squeeze(-1)

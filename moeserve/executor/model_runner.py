@@ -13,9 +13,14 @@ from moeserve.config import EngineConfig
 from moeserve.core import DPInfo, ForwardBatch, ForwardMode, ScheduleBatch
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.groups import single as single_groups
+from moeserve.eplb import files
+from moeserve.eplb.manager import EplbManager
 from moeserve.eplb.placement import ExpertPlacement
+from moeserve.eplb.recorder import ALL_TOKENS, ExpertRecorder
 from moeserve.executor.cuda_graph import CudaGraphRunner
+from moeserve.executor.expert_weights import make_expert_weights
 from moeserve.layers.moe import MoEOptions
+from moeserve.models.checkpoint import model_fingerprint
 from moeserve.models.deepseek import DeepseekForCausalLM
 from moeserve.models.loader import load_checkpoint, load_dummy
 
@@ -29,14 +34,17 @@ class ModelRunner:
         self.device = torch.device(config.load.device)
         self.dtype = config.load.torch_dtype(config.model)
         self.model = self._init_model()
+        self.eplb = self._init_eplb()
         self._init_kv_cache()
         self.graph_runner = self._init_cuda_graphs()
+        if self.eplb is not None and config.eplb.enable_eplb:  # online rebalancing plans from what it
+            self.eplb.recorder.start()  # records: from the first pass on (not the graphs' warm-up)
 
     def _init_model(self) -> DeepseekForCausalLM:
         load, cfg, par = self.config.load, self.config.model, self.config.parallel
-        placement = ExpertPlacement.trivial(cfg.num_layers, max(cfg.n_routed_experts, 1), par.ep_world,
-                                            par.ep_num_redundant_experts)
-        moe = MoEOptions(placement, par.moe_a2a_backend, par.deepep_mode, par.max_dispatch_tokens_per_rank)
+        self.moe_options = moe = MoEOptions(self._initial_placement(), par.moe_a2a_backend, par.deepep_mode,
+                                            par.max_dispatch_tokens_per_rank, self.config.eplb.ep_dispatch_algorithm,
+                                            self._make_recorder())
         with torch.device(self.device), _default_dtype(self.dtype):
             model = DeepseekForCausalLM(cfg, self.groups, moe, fp8=self.fp8_weights)
         if load.load_format == "dummy":
@@ -46,6 +54,42 @@ class ModelRunner:
                 raise ValueError("model_path is required unless load_format is 'dummy'")
             load_checkpoint(model, load.model_path, self.config.model)
         return model.eval()
+
+    def _initial_placement(self) -> ExpertPlacement:
+        cfg, par, eplb = self.config.model, self.config.parallel, self.config.eplb
+        num_logical = max(cfg.n_routed_experts, 1)
+        num_physical = num_logical + eplb.ep_num_redundant_experts
+        if num_physical % par.ep_world:
+            raise ValueError(f"ep_num_redundant_experts: {num_physical} physical experts ({num_logical} logical + "
+                             f"{eplb.ep_num_redundant_experts} redundant) do not divide over {par.ep_world} EP ranks")
+        phy2log = files.initial_phy2log(eplb.init_expert_location, cfg.num_layers, num_logical, num_physical,
+                                        par.ep_world, max(cfg.n_group, 1), par.nnodes)
+        return ExpertPlacement.from_phy2log(phy2log, num_logical, par.ep_world)
+
+    def _make_recorder(self) -> ExpertRecorder | None:
+        cfg, eplb = self.config.model, self.config.eplb
+        if eplb.recorder_mode is None or cfg.n_routed_experts == 0:
+            return None
+        num_logical = cfg.n_routed_experts
+        return ExpertRecorder(eplb.recorder_mode, cfg.num_layers, num_logical,
+                              num_logical + eplb.ep_num_redundant_experts,
+                              eplb.expert_distribution_recorder_buffer_size, self.device)
+
+    def _init_eplb(self) -> EplbManager | None:
+        """The recorder's collective side and, with ``--enable-eplb``, online rebalancing (stage 1:
+        where moved expert weights come from)."""
+        recorder, cfg, eplb = self.moe_options.recorder, self.config.model, self.config.eplb
+        if recorder is None:
+            return None
+        layers = [layer for layer in range(cfg.num_layers) if cfg.is_moe_layer(layer)]
+        stacks = {layer: self.model.model.layers[layer].mlp.experts.stacks() for layer in layers}
+        fetch = None
+        if eplb.enable_eplb:
+            source = make_expert_weights(self.config, layers, self.fp8_weights, self.dtype, self.device)
+            fetch = source.fetch
+        meta = {"model": model_fingerprint(self.config)}
+        return EplbManager(eplb, self.moe_options.location, recorder, stacks, fetch, self.groups.world,
+                           self.groups.ep.rank, layers, max(cfg.n_group, 1), self.config.parallel.nnodes, meta)
 
     @property
     def fp8_weights(self) -> bool:
@@ -78,6 +122,8 @@ class ModelRunner:
         what the other DP ranks run, so those keep launching kernels one by one for now."""
         cfg = self.config
         if self.device.type != "cuda" or cfg.runner.disable_cuda_graph or cfg.parallel.world_size > 1:
+            return None
+        if cfg.eplb.recorder_mode == "per_token":  # its token streams are kept per step, outside a graph
             return None
         return CudaGraphRunner(self, cfg.runner.graph_batch_sizes(cfg.scheduler.max_running_requests))
 
@@ -122,10 +168,26 @@ class ModelRunner:
     def forward(self, sched: ScheduleBatch | None, all_logits: bool = False, dp: DPInfo | None = None) -> torch.Tensor:
         """fp32 logits of each sequence's last new token ``[B, V]`` (every token ``[T, V]`` with
         ``all_logits``). ``sched=None`` runs an idle batch: no tokens, but every collective."""
+        if self.eplb is not None:
+            self.eplb.before_forward()
         batch = self.build_batch(sched or ScheduleBatch(ForwardMode.IDLE, []))
         batch.dp = dp
+        logits = self._forward(batch, all_logits)
+        if self.eplb is not None:
+            positions = None
+            if self.eplb.recorder.mode == "per_token":  # this rank's tokens in the MoE layers
+                positions = batch.positions[self.model.layout.my_slice(batch.dp_info())]
+            self.eplb.after_forward(sched is not None and not sched.mode.is_decode, positions)
+        return logits
+
+    def _forward(self, batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
+        recorder = self.moe_options.recorder
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            if recorder is not None:  # the bucket's padding rows are not tokens
+                recorder.valid.fill_(batch.batch_size)
             return self.graph_runner.replay(batch)
+        if recorder is not None:
+            recorder.valid.fill_(ALL_TOKENS)
         hidden = self.model(batch)
         if not all_logits:
             hidden = hidden[batch.last_token_index()]

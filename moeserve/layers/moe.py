@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -10,9 +11,11 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.distributed.dispatcher import Dispatcher, MaskedDispatchOutput, RecvTokens, make_dispatcher
 from moeserve.distributed.groups import ParallelGroups
-from moeserve.eplb.placement import ExpertPlacement
+from moeserve.eplb.placement import ExpertLocation, ExpertPlacement
+from moeserve.eplb.recorder import ExpertRecorder
 from moeserve.kernels import fp8
 from moeserve.kernels.grouped_gemm import grouped_gemm_contiguous, grouped_gemm_masked
+from moeserve.layers.disposable import dispose
 from moeserve.layers.gate import Gate
 from moeserve.layers.linear import Slot, frozen, frozen_fp8
 from moeserve.layers.mlp import MLP
@@ -24,9 +27,9 @@ class Experts(nn.Module):
     the checkpoint's per-expert tensors; a logical expert with several replicas here fills each."""
 
     def __init__(self, logical_ids: list[int], num_logical: int, hidden_size: int, intermediate_size: int,
-                 fp8: bool = False) -> None:
+                 fp8: bool = False, layer_id: int = 0) -> None:
         super().__init__()
-        self.logical_ids, self.num_logical = logical_ids, num_logical
+        self.logical_ids, self.num_logical, self.layer_id = logical_ids, num_logical, layer_id
         self.num_experts, self.intermediate_size = len(logical_ids), intermediate_size
         # FP8: per-expert 128x128 block scales [E, ceil(N/128), ceil(K/128)] beside each stack
         self.w13_scale_inv: nn.Parameter | None = None
@@ -50,11 +53,36 @@ class Experts(nn.Module):
             slots[f"{e}.down_proj.weight"].append((self.w2, (j,), ()))
         return slots
 
+    def stacks(self) -> dict[str, torch.Tensor]:
+        """Every stacked tensor with one row per slot (weights, and FP8 scales): what moves with an
+        expert when a rebalance gives its slot to another."""
+        named = {"w13": self.w13, "w2": self.w2, "w13_scale_inv": self.w13_scale_inv,
+                 "w2_scale_inv": self.w2_scale_inv}
+        return {name: t.data for name, t in named.items() if t is not None}
+
+    def fill_dummy(self, seed: int) -> None:
+        """Random weights that depend only on (seed, layer, logical expert): replicas of an expert,
+        on any rank, and a rebalance's fresh copy of it hold the same values."""
+        for slot, logical in enumerate(self.logical_ids):
+            gen = torch.Generator(device=self.w13.device).manual_seed(dummy_expert_seed(seed, self.layer_id, logical))
+            for weight, scale in ((self.w13, self.w13_scale_inv), (self.w2, self.w2_scale_inv)):
+                values = torch.empty(weight.shape[1:], dtype=torch.float32, device=weight.device)
+                values.normal_(0.0, 0.02, generator=gen)
+                if scale is None:
+                    weight.data[slot].copy_(values)
+                else:
+                    q, s = fp8.block_quant_fp8(values, (fp8.FP8_BLOCK, fp8.FP8_BLOCK))
+                    weight.data[slot].copy_(q)
+                    scale.data[slot].copy_(s)
+
     def forward(self, recv: RecvTokens) -> torch.Tensor:
         """Output in the input's layout: contiguous ``hidden [M, D] -> [M, D]`` (padding rows
         stay zero) or masked ``hidden [E, M_max, D] -> [E, M_max, D]`` (rows at or past
         ``masked_m[e]`` zero). ``E`` is this module's expert count (the local experts under EP)."""
         h = self._gemm(recv, recv.hidden, self.w13, self.w13_scale_inv, gated=True)  # silu(gate) * up [..., I]
+        # the received tokens ([T * k, D] at the peak) are read no more; freed now when the dispatcher
+        # allowed it (a ``DisposableTensor``), so the second GEMM's output does not stack on them
+        dispose(recv.hidden, keep=(h,))
         return self._gemm(recv, h, self.w2, self.w2_scale_inv)
 
     def _gemm(self, recv: RecvTokens, x: torch.Tensor, w: torch.Tensor,
@@ -69,14 +97,26 @@ class Experts(nn.Module):
                                        fuse_silu_and_mul=gated)
 
 
+def dummy_expert_seed(seed: int, layer: int, logical: int) -> int:
+    return (seed * 1_000_003 + layer) * 1_000_003 + logical
+
+
 @dataclass(frozen=True)
 class MoEOptions:
-    """How routed experts are laid out and reached: placement over EP ranks and dispatch modes."""
+    """How routed experts are laid out and reached: placement over EP ranks, how a routed expert
+    picks a replica, dispatch modes, and the load recorder (if any)."""
 
     placement: ExpertPlacement
     a2a_backend: str = "none"  # none | torch | deepep
     deepep_mode: str = "auto"  # normal | low_latency | auto
     max_dispatch_tokens_per_rank: int = 128
+    dispatch_algorithm: str = "static"  # static | dynamic | fake (``LayerExpertMap``)
+    recorder: ExpertRecorder | None = None
+
+    @functools.cached_property
+    def location(self) -> ExpertLocation:
+        """The placement on the device (the default device when first asked), one for all layers."""
+        return ExpertLocation(self.placement, torch.get_default_device())
 
     @classmethod
     def single(cls, cfg: ModelConfig) -> MoEOptions:
@@ -88,11 +128,13 @@ class MoE(nn.Module):
                  fp8: bool = False) -> None:
         super().__init__()
         self.layer_id, self.ep, self.placement = layer_id, groups.ep, opts.placement
-        self.expert_map = opts.placement.layer_map(layer_id, torch.get_default_device())
+        self.expert_map = opts.location.layer_map(layer_id, groups.ep.rank, opts.dispatch_algorithm)
+        self.recorder = opts.recorder
         self.gate = Gate(cfg)
         local = opts.placement.local_slots(groups.ep.rank)
         logical_ids = opts.placement.phy2log[layer_id, local.start:local.stop].tolist()
-        self.experts = Experts(logical_ids, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, fp8)
+        self.experts = Experts(logical_ids, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, fp8,
+                               layer_id)
         # replicated on every rank, applied to the rank's own tokens (as with DeepEP)
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, fp8=fp8)
@@ -117,7 +159,10 @@ class MoE(nn.Module):
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [T, D]`` -> ``(topk_weights [T, k], physical topk_ids [T, k])``."""
         weights, logical = self.gate(hidden)
-        return weights, self.expert_map.to_physical(logical, self.ep.rank)
+        physical = self.expert_map.to_physical(logical)
+        if self.recorder is not None:
+            self.recorder.record(self.layer_id, logical, physical)
+        return weights, physical
 
     def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.shared_experts(hidden) if self.shared_experts is not None else None

@@ -8,6 +8,7 @@ when the model keeps FP8 weights.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from moeserve.config import ModelConfig
+from moeserve.config import EngineConfig, ModelConfig
 from moeserve.kernels.fp8 import FP8_DTYPE, block_dequant_fp8
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -139,3 +140,17 @@ def _read_index(model_path: str, index_path: str) -> dict[str, str]:
         if not os.path.isfile(path):
             raise ValueError(f"{index_path!r} refers to {os.path.basename(path)!r}, which is not in {model_path!r}")
     return names
+
+
+def model_fingerprint(config: EngineConfig) -> str:
+    """The same for two servers of one model: its config and the names and sizes of its weight files
+    (random weights: the config and the seed)."""
+    load = config.load
+    h = hashlib.sha256(json.dumps(config.model.__dict__, sort_keys=True, default=str).encode())
+    if load.load_format == "dummy" or load.model_path is None:
+        h.update(f"dummy:{load.seed}".encode())
+    else:
+        for name in sorted(os.listdir(load.model_path)):
+            if name.endswith((".safetensors", ".json")):
+                h.update(f"{name}:{os.path.getsize(os.path.join(load.model_path, name))}".encode())
+    return h.hexdigest()[:16]

@@ -20,6 +20,7 @@ from moeserve.distributed.dispatcher import Dispatcher, DispatchOutput
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.groups import single as single_groups
 from moeserve.distributed.layout import TokenLayout
+from moeserve.layers.disposable import DisposableTensor, dispose
 from moeserve.layers.embedding import Embedding, LMHead
 from moeserve.layers.mla import MLA, MLAInputs
 from moeserve.layers.mlp import MLP
@@ -54,6 +55,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, groups: ParallelGroups, moe: MoEOptions,
                  fp8: bool = False) -> None:
         super().__init__()
+        self.layer_id = layer_id
         self.layout = TokenLayout(groups)
         self.self_attn = MLA(cfg, layer_id, groups.attn_tp, fp8)
         self.is_moe = cfg.is_moe_layer(layer_id)
@@ -105,14 +107,24 @@ class DecoderLayer(nn.Module):
     def op_moe_dispatch(self, s: LayerState, batch: ForwardBatch) -> None:
         weights, ids = s.topk
         s.dispatcher = self.mlp.dispatcher(batch.dp_info().moe_mode)
+        own = s.dispatcher.disposable_buffers  # then the MoE frees its input and the tokens received early
+        if own:
+            s.hidden = DisposableTensor.wrap(s.hidden, f"layer {self.layer_id} MoE input")
         s.recv, s.handle = s.dispatcher.dispatch(s.hidden, ids, weights)
+        if own:
+            s.recv.hidden = DisposableTensor.wrap(s.recv.hidden, f"layer {self.layer_id} MoE dispatch output")
         s.topk = None
 
     def op_shared_experts(self, s: LayerState, batch: ForwardBatch) -> None:
         s.shared_out = self.mlp.shared(s.hidden)
+        # dispatch has copied the tokens out and the residual is a tensor of its own: nothing reads
+        # the input again (combine replaces it), so its [T, D] goes before the experts' peak
+        dispose(s.hidden, keep=(s.residual, s.shared_out))
 
     def op_moe_experts(self, s: LayerState, batch: ForwardBatch) -> None:
-        s.expert_out, s.recv = self.mlp.experts(s.recv), None
+        s.expert_out = self.mlp.experts(s.recv)
+        dispose(s.recv.hidden, keep=(s.expert_out,))  # combine reads the handle and expert_out only
+        s.recv = None
 
     def op_moe_combine(self, s: LayerState, batch: ForwardBatch) -> None:
         out = s.dispatcher.combine(s.expert_out, s.handle)

@@ -38,11 +38,13 @@ def checkpoint_slots(model: nn.Module) -> dict[str, list[Slot]]:
     return slots
 
 
-def load_checkpoint(model: nn.Module, model_path: str, cfg: ModelConfig) -> None:
-    """Copy every tensor of the checkpoint into the model; unknown or missing names are errors."""
+def load_checkpoint(model: nn.Module, model_path: str, cfg: ModelConfig, partial: bool = False) -> None:
+    """Copy every tensor of the checkpoint into the model; unknown or missing names are errors.
+    ``partial``: ``model`` holds only some of the checkpoint (a module named like a part of the
+    model, e.g. one layer's experts): the others are skipped."""
     slots = checkpoint_slots(model)
     names = {n for n in list_checkpoint_tensors(model_path)
-             if not n.endswith(_SCALE_SUFFIX) and not _is_mtp(n, cfg)}
+             if not n.endswith(_SCALE_SUFFIX) and not _is_mtp(n, cfg) and (not partial or n in slots)}
     unknown = sorted(names - slots.keys())
     if unknown:
         raise ValueError(f"checkpoint {model_path!r} has tensors the model does not know: {_few(unknown)}")
@@ -128,7 +130,13 @@ def load_dummy(model: nn.Module, seed: int) -> None:
     """Random weights of the real shapes, for benchmarks without a checkpoint; FP8 weights get
     the block quantization of such random values."""
     generators: dict[torch.device, torch.Generator] = {}
+    experts = [m for m in model.modules() if hasattr(m, "fill_dummy")]
+    for module in experts:  # by logical expert: every replica, and a rebalance's copy, alike
+        module.fill_dummy(seed)
+    skip = {id(p) for m in experts for p in m.parameters()}
     for name, param in model.named_parameters():
+        if id(param) in skip:
+            continue
         gen = generators.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)

@@ -30,11 +30,14 @@ from moeserve.executor.model_runner import ModelRunner
 from moeserve.executor.sampler import SampleOutput
 from moeserve.models.tokenizer import load_tokenizer
 from moeserve.scheduler.channel import connect
+from moeserve.scheduler.controls import ExpertControls
 from moeserve.scheduler.io import (
     AbortInput,
     Codec,
+    ControlOutput,
     EngineInput,
     EngineStats,
+    ExpertControlInput,
     GenerateInput,
     ShutdownInput,
     TokenBatch,
@@ -51,20 +54,24 @@ STATS_INTERVAL_S = 0.05
 
 
 def agree(groups: ParallelGroups, batch: ScheduleBatch | None, backend: str, deepep_mode: str,
-          ll_capacity: int) -> DPInfo | None:
-    """Share every DP group's plan; None when no rank has work. Picks the step's MoE mode."""
+          ll_capacity: int, controls_seen: int = 0, keep_going: bool = False) -> tuple[DPInfo | None, int]:
+    """Share every DP group's plan: (the step, None when no rank has work and none must
+    ``keep_going`` (an expert rebalance under way: it moves on between passes); the newest control
+    that every rank has received). Picks the step's MoE mode."""
     mine = torch.tensor([batch.num_tokens if batch else 0, len(batch.seqs) if batch else 0,
-                         int(batch is not None and not batch.mode.is_decode), int(batch is not None)])
+                         int(batch is not None and not batch.mode.is_decode), int(batch is not None), controls_seen])
+    rows = mine.view(1, 5)
     if groups.world.size > 1:
-        rows = torch.zeros(groups.world.size * 4, dtype=mine.dtype)
-        all_gather_flat(rows, mine, groups.cpu_world)
-        mine = rows.view(-1, 4)[::groups.attn_tp.size]  # one row per DP group, from its first rank
-    table = mine.view(-1, 4).tolist()
-    if not any(row[3] for row in table):
-        return None
+        gathered = torch.zeros(groups.world.size * 5, dtype=mine.dtype)
+        all_gather_flat(gathered, mine, groups.cpu_world)
+        rows = gathered.view(-1, 5)
+    controls_ready = int(rows[:, 4].min())
+    table = rows[::groups.attn_tp.size].tolist()  # one row per DP group, from its first rank
+    if not any(row[3] for row in table) and not keep_going:
+        return None, controls_ready
     tokens, seqs = [r[0] for r in table], [r[1] for r in table]
-    return DPInfo(tokens, seqs, _moe_mode(tokens, any(r[2] for r in table), groups, backend, deepep_mode,
-                                          ll_capacity))
+    dp = DPInfo(tokens, seqs, _moe_mode(tokens, any(r[2] for r in table), groups, backend, deepep_mode, ll_capacity))
+    return dp, controls_ready
 
 
 def _moe_mode(tokens: list[int], any_extend: bool, groups: ParallelGroups, backend: str, deepep_mode: str,
@@ -85,6 +92,7 @@ class EngineLoop:
         self.runner = ModelRunner(config, groups)
         role = make_role(config.disagg.disaggregation_mode, config, groups, self.runner)
         self.scheduler = Scheduler(_with_dispatch_cap(config, groups), self.runner, tokenizer, role)
+        self.controls = ExpertControls(self.runner.eplb, config.eplb, reply=self._reply_control)
         self._init_collectives()
         self.codec = Codec(EngineInput)
         self._peer_codec = Codec(list[EngineInput])  # messages the leader shares with its TP peers
@@ -102,7 +110,11 @@ class EngineLoop:
         sched.tp_min = self._tp_min
 
         def agree_step(batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:
-            dp = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode, par.max_dispatch_tokens_per_rank)
+            eplb = self.runner.eplb  # its state is the same on every rank (passes and agreed controls)
+            dp, controls_ready = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode,
+                                       par.max_dispatch_tokens_per_rank, self.controls.seen,
+                                       eplb is not None and eplb.busy)
+            self.controls.run(controls_ready)  # every rank at this same step
             return dp is not None, dp
 
         sched.agree = agree_step
@@ -184,6 +196,9 @@ class EngineLoop:
         return msg
 
     def _handle(self, msg: object) -> None:
+        if isinstance(msg, ExpertControlInput):
+            self.controls.add(msg)
+            return
         if isinstance(msg, AbortInput):
             req = self.scheduler.abort(msg.rid)
             if req is not None and self.is_leader:
@@ -201,6 +216,10 @@ class EngineLoop:
             return
         if self.is_leader:
             self._sent[msg.rid] = 0
+
+    def _reply_control(self, out: ControlOutput) -> None:
+        if self.groups.world.rank == 0:  # the leader of DP group 0 answers for all
+            self._send(out)
 
     def _refuse(self, rid: str, message: str, status: int) -> None:
         if self.is_leader:
@@ -242,6 +261,10 @@ class EngineLoop:
             dp_rank=self.groups.dp_rank, rejected_messages=self.codec.rejected, pd_queues=sched.role.stats(),
             ended_early=dict(sched.ended_early),
         )
+        eplb = self.runner.eplb
+        if eplb is not None:
+            stats.expert_balancedness, stats.expert_rebalances = eplb.stats.balancedness, eplb.stats.rebalances
+            stats.expert_max_pause_s = eplb.stats.max_pause_s
         transfers = sched.role.transfer_stats()
         if transfers is not None:
             stats.transfers, stats.transfer_bytes = dict(transfers.transfers), transfers.bytes

@@ -7,6 +7,8 @@ range checks, so a malformed or forged message is refused (and counted) instead 
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import msgspec
 
 from moeserve.core import BootstrapInfo, SamplingParams, TokenLogprob
@@ -28,6 +30,26 @@ class AbortInput(msgspec.Struct, tag="abort"):
 
 class ShutdownInput(msgspec.Struct, tag="shutdown"):
     pass
+
+
+ExpertAction = Literal["start_record", "stop_record", "dump_record", "rebalance", "stats"]
+
+
+class ExpertControlInput(msgspec.Struct, tag="expert_control"):
+    """An action on the expert recorder or placement. Every DP group gets it; the ranks run it at
+    the first step where all of them have it (``seq`` rides on the step agreement)."""
+
+    seq: int
+    action: ExpertAction
+
+
+class ControlOutput(msgspec.Struct, tag="control"):
+    """The answer to an ``ExpertControlInput`` (from rank 0)."""
+
+    seq: int
+    ok: bool
+    message: str = ""
+    result: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class TokenOutput(msgspec.Struct, tag="tokens"):
@@ -70,10 +92,13 @@ class EngineStats(msgspec.Struct, tag="stats"):
     transfer_writes: int = 0
     prefill_peers_lost: int = 0  # decode: prefill servers its heartbeat found dead or restarted
     ended_early: dict[str, int] = msgspec.field(default_factory=dict)  # aborted or failed requests, by stage
+    expert_balancedness: float | None = None  # measured mean / max tokens per GPU (the recorder's window)
+    expert_rebalances: int = 0
+    expert_max_pause_s: float = 0.0  # the longest pause of a rebalance so far
 
 
-EngineInput = GenerateInput | AbortInput | ShutdownInput
-EngineOutput = TokenBatch | EngineStats
+EngineInput = GenerateInput | AbortInput | ShutdownInput | ExpertControlInput
+EngineOutput = TokenBatch | EngineStats | ControlOutput
 
 
 class Codec:

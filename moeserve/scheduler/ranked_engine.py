@@ -11,7 +11,17 @@ from tqdm import tqdm
 from moeserve.config import EngineConfig
 from moeserve.core import FinishReason, Req, ReqStatus, SamplingParams
 from moeserve.scheduler.channel import ServerSide
-from moeserve.scheduler.io import Codec, EngineOutput, EngineStats, GenerateInput, ShutdownInput, TokenOutput
+from moeserve.scheduler.io import (
+    Codec,
+    ControlOutput,
+    EngineOutput,
+    EngineStats,
+    ExpertAction,
+    ExpertControlInput,
+    GenerateInput,
+    ShutdownInput,
+    TokenOutput,
+)
 from moeserve.scheduler.ranks import RankAddresses, RankProcesses
 
 POLL_MS = 500
@@ -32,6 +42,17 @@ class RankedEngine:
             self.close()
             raise
         self._ids = itertools.count()
+        self._control_seq = itertools.count(1)
+        self._answers: dict[int, ControlOutput] = {}
+
+    def control(self, action: ExpertAction) -> ControlOutput:
+        """Run ``action`` on every rank (``scheduler.controls``); rank 0's answer."""
+        seq = next(self._control_seq)
+        for sock in self.inputs:
+            sock.send(self.codec.encode(ExpertControlInput(seq, action)))
+        while seq not in self._answers:
+            self._receive()
+        return self._answers.pop(seq)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[Req]:
         """Send every prompt (DP groups in turn), wait for all to finish; requests in order."""
@@ -53,7 +74,9 @@ class RankedEngine:
             if (dead := self.ranks.dead()) is not None:
                 raise RuntimeError(f"engine {dead}")
         msg = self.codec.decode(self.output.recv_multipart())
-        return [] if msg is None or isinstance(msg, EngineStats) else msg.outputs
+        if isinstance(msg, ControlOutput):
+            self._answers[msg.seq] = msg
+        return [] if msg is None or isinstance(msg, (EngineStats, ControlOutput)) else msg.outputs
 
     @staticmethod
     def _apply(req: Req, out: TokenOutput) -> bool:

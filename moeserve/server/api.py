@@ -189,6 +189,7 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], AbstractAsyncCon
         app.add_middleware(APIKeyAuth, api_key=state.server.api_key)  # outermost: before the body is read
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
+    _add_expert_routes(app, state)
     return app
 
 
@@ -327,3 +328,28 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                             lambda ticket: oai.native_job(state, body, ticket),
                             lambda job: oai.stream_native(state, body, job),
                             lambda job: oai.native_response(state, body, job))
+
+
+EXPERT_CONTROL_TIMEOUT_S = 600.0  # a rebalance of every layer of a large model, chunk by chunk
+
+
+def _add_expert_routes(app: FastAPI, state: ServerState) -> None:
+    """The expert recorder and placement (SGLang's paths); each runs on every rank at once."""
+
+    async def run(action: str) -> dict:
+        answer = await state.client.control(action, EXPERT_CONTROL_TIMEOUT_S)
+        if not answer.ok:
+            raise APIError(400, answer.message)
+        return answer.result
+
+    for path, action in (("/start_expert_distribution_record", "start_record"),
+                         ("/stop_expert_distribution_record", "stop_record"),
+                         ("/dump_expert_distribution_record", "dump_record"), ("/rebalance_experts", "rebalance")):
+        app.add_api_route(path, _control_route(run, action), methods=["POST"])
+
+
+def _control_route(run: Callable[[str], Awaitable[dict]], action: str) -> Callable[[], Awaitable[dict]]:
+    async def route() -> dict:
+        return await run(action)
+
+    return route

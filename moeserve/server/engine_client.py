@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -19,9 +20,12 @@ from moeserve.scheduler.channel import ServerSide
 from moeserve.scheduler.io import (
     AbortInput,
     Codec,
+    ControlOutput,
     EngineInput,
     EngineOutput,
     EngineStats,
+    ExpertAction,
+    ExpertControlInput,
     GenerateInput,
     ShutdownInput,
     TokenBatch,
@@ -118,6 +122,8 @@ class EngineClient:
         self.dead: str | None = None
         self._reader: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._controls: dict[int, asyncio.Future[ControlOutput]] = {}  # seq -> its answer
+        self._control_seq = itertools.count(1)
 
     def _pick_dp(self, cost: int, bootstrap: BootstrapInfo | None = None) -> int:
         """The DP group for a new request costing ``cost`` tokens."""
@@ -261,7 +267,27 @@ class EngineClient:
                 self.metrics.rejected_messages.inc()
                 logger.exception("dropped an engine message that could not be routed")
 
-    def _route(self, msg: TokenBatch | EngineStats) -> None:
+    async def control(self, action: ExpertAction, timeout_s: float) -> ControlOutput:
+        """Run ``action`` on every rank (``scheduler.controls``) and wait for rank 0's answer."""
+        if self.dead:
+            raise EngineError(self.dead, 503)
+        seq = next(self._control_seq)
+        answer = self._controls[seq] = asyncio.get_running_loop().create_future()
+        try:
+            for dp in range(len(self._to_engine)):
+                await self._send(ExpertControlInput(seq, action), dp)
+            return await asyncio.wait_for(answer, timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineError(f"the engine did not answer {action} within {timeout_s:.0f} s", 504) from None
+        finally:
+            self._controls.pop(seq, None)
+
+    def _route(self, msg: TokenBatch | EngineStats | ControlOutput) -> None:
+        if isinstance(msg, ControlOutput):
+            answer = self._controls.get(msg.seq)
+            if answer is not None and not answer.done():
+                answer.set_result(msg)
+            return
         if isinstance(msg, EngineStats):
             if 0 <= msg.dp_rank < len(self._to_engine):
                 self.stats[msg.dp_rank] = msg

@@ -55,6 +55,11 @@ class Metrics:
                                         "heartbeat found dead or restarted").labels(**labels)
         self.ended_early = Gauge("moeserve:requests_ended_early", "requests aborted or failed in the engine, by the "
                                  "stage they were at", [*labels, "stage"], registry=reg)
+        self.expert_balancedness = gauge("moeserve:expert_balancedness", "mean / max routed tokens per GPU over the "
+                                         "recorder's window, averaged over MoE layers (1: balanced)").labels(**labels)
+        self.expert_rebalances = gauge("moeserve:expert_rebalances", "online expert rebalances done").labels(**labels)
+        self.expert_max_pause = gauge("moeserve:expert_rebalance_max_pause_seconds", "the longest pause between two "
+                                      "steps a rebalance took").labels(**labels)
         self._labels = labels
 
     def update_engine(self, stats: list[EngineStats]) -> None:
@@ -72,6 +77,11 @@ class Metrics:
         self.transfer_seconds.set(sum(s.transfer_seconds for s in stats))
         self.transfer_writes.set(sum(s.transfer_writes for s in stats))
         self.prefill_peers_lost.set(sum(s.prefill_peers_lost for s in stats))
+        measured = [s.expert_balancedness for s in stats if s.expert_balancedness is not None]
+        if measured:  # every rank reports the same figure (summed over the world)
+            self.expert_balancedness.set(measured[0])
+        self.expert_rebalances.set(max(s.expert_rebalances for s in stats))
+        self.expert_max_pause.set(max(s.expert_max_pause_s for s in stats))
         for stage in {k for s in stats for k in s.ended_early}:
             self.ended_early.labels(**self._labels, stage=stage).set(sum(s.ended_early.get(stage, 0) for s in stats))
 
