@@ -455,9 +455,18 @@ class RunnerConfig:
 
     disable_cuda_graph: bool = flag(False, "run decode eagerly")
     cuda_graph_max_bs: int = flag(256, "largest decode batch replayed from a CUDA graph")
+    enable_two_batch_overlap: bool = flag(False, "split each batch in two micro-batches: one computes while the "
+                                                 "other's MoE all-to-all is in flight (and activations halve)")
+    tbo_token_distribution_threshold: float = flag(0.48, "a prefill split between sequences must give the smaller "
+                                                         "half this share of the tokens, else a sequence is cut")
+    tbo_min_tokens: int = flag(64, "no overlap for a step whose largest DP batch has fewer tokens (it slows "
+                                   "small batches)")
 
     def __post_init__(self) -> None:
         _require(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be at least 1")
+        _require(0 <= self.tbo_token_distribution_threshold <= 0.5, "tbo_token_distribution_threshold",
+                 f"must be in [0, 0.5], got {self.tbo_token_distribution_threshold}")
+        _require(self.tbo_min_tokens >= 2, "tbo_min_tokens", f"must be >= 2, got {self.tbo_min_tokens}")
 
     def graph_batch_sizes(self, max_running_requests: int) -> list[int]:
         """Buckets a decode batch is padded up to: 1, 2, 4, 8, then every 8 (as SGLang does)."""

@@ -209,17 +209,31 @@ class ForwardMode(enum.Enum):
         return self is ForwardMode.DECODE
 
 
+class Yield:
+    """The marker in a model's operation list where one micro-batch may hand over to the other
+    (two-batch overlap, ``executor/overlap.py``); plain execution skips it."""
+
+    def __repr__(self) -> str:
+        return "YIELD"
+
+
+YIELD = Yield()
+
+
 @dataclass
 class DPInfo:
     """What the ranks agreed on for one step, known to every rank.
 
     ``token_counts[d]`` / ``seq_counts[d]``: new tokens and sequences of data-parallel group ``d``
-    (0 for an idle group); ``moe_mode``: the dispatch mode all ranks use this step.
+    (0 for an idle group); ``moe_mode``: the dispatch mode all ranks use this step; ``halves``: set
+    when the step runs as two overlapped micro-batches, the same for each of them.
     """
 
     token_counts: list[int]
     seq_counts: list[int]
     moe_mode: str = "normal"
+    halves: tuple[DPInfo, DPInfo] | None = None  # two-batch overlap: every group's two micro-batches
+    any_extend: bool = True  # some group prefills: every rank overlaps with the prefill strategy
 
 
 @dataclass

@@ -59,8 +59,7 @@ class CudaGraphRunner:
         )
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
-        model = self.runner.model
-        return model.compute_logits(model(batch), batch)  # decode: one row per sequence
+        return self.runner.model.compute_logits(self.runner.run_layers(batch), batch)  # decode: a row a sequence
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

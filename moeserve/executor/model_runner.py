@@ -17,6 +17,7 @@ from moeserve.eplb import files
 from moeserve.eplb.manager import EplbManager
 from moeserve.eplb.placement import ExpertPlacement
 from moeserve.eplb.recorder import ALL_TOKENS, ExpertRecorder
+from moeserve.executor import overlap
 from moeserve.executor.cuda_graph import CudaGraphRunner
 from moeserve.executor.expert_weights import make_expert_weights
 from moeserve.layers.moe import MoEOptions
@@ -34,6 +35,8 @@ class ModelRunner:
         self.device = torch.device(config.load.device)
         self.dtype = config.load.torch_dtype(config.model)
         self.model = self._init_model()
+        self._plain_ops = self.model.operations()
+        self.tbo_min_tokens = config.runner.tbo_min_tokens  # alone, a step this large overlaps
         self.eplb = self._init_eplb()
         self._init_kv_cache()
         self.graph_runner = self._init_cuda_graphs()
@@ -170,9 +173,12 @@ class ModelRunner:
         ``all_logits``). ``sched=None`` runs an idle batch: no tokens, but every collective."""
         if self.eplb is not None:
             self.eplb.before_forward()
-        batch = self.build_batch(sched or ScheduleBatch(ForwardMode.IDLE, []))
-        batch.dp = dp
-        logits = self._forward(batch, all_logits)
+        if self._overlaps(sched, dp, all_logits):
+            batch, logits = self._forward_two(sched, dp)
+        else:
+            batch = self.build_batch(sched or ScheduleBatch(ForwardMode.IDLE, []))
+            batch.dp = dp
+            logits = self._forward(batch, all_logits)
         if self.eplb is not None:
             positions = None
             if self.eplb.recorder.mode == "per_token":  # this rank's tokens in the MoE layers
@@ -188,10 +194,52 @@ class ModelRunner:
             return self.graph_runner.replay(batch)
         if recorder is not None:
             recorder.valid.fill_(ALL_TOKENS)
-        hidden = self.model(batch)
+        hidden = self.run_layers(batch)
         if not all_logits:
             hidden = hidden[batch.last_token_index()]
         return self.model.compute_logits(hidden, batch)
+
+    def run_layers(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's operations for one batch (``executor/overlap.run``): hidden states ``[T, D]``."""
+        state = self.model.begin(batch)
+        overlap.run(self._plain_ops, state, batch)
+        return self.model.end(state, batch)
+
+    # ---- two-batch overlap ----------------------------------------------------------------------
+    def _overlaps(self, sched: ScheduleBatch | None, dp: DPInfo | None, all_logits: bool) -> bool:
+        """With several ranks the agreement decided (``dp.halves``); alone, the batch's size does.
+        Decode batches a CUDA graph replays run whole."""
+        runner = self.config.runner
+        recorder = self.moe_options.recorder
+        if not runner.enable_two_batch_overlap or all_logits or (recorder is not None and recorder.mode == "per_token"):
+            return False  # (per_token keeps one token stream a pass)
+        if dp is not None:
+            return dp.halves is not None
+        if sched is None or sched.num_tokens < self.tbo_min_tokens:
+            return False
+        return not (self.graph_runner is not None and sched.mode.is_decode
+                    and len(sched.seqs) <= self.graph_runner.max_bs)
+
+    def _forward_two(self, sched: ScheduleBatch | None, dp: DPInfo | None) -> tuple[ForwardBatch, torch.Tensor]:
+        """The step as two micro-batches over the interleaved operations; logits of every sequence in
+        the batch's order (a sequence cut in two samples from its second part)."""
+        split = overlap.split_batch(sched, self.config.runner.tbo_token_distribution_threshold)
+        batches = (self.build_batch(split.first), self.build_batch(split.second))
+        for b, half in zip(batches, dp.halves if dp is not None else (None, None)):
+            b.dp = half
+        if self.moe_options.recorder is not None:
+            self.moe_options.recorder.valid.fill_(ALL_TOKENS)
+        # one strategy on every rank (an idle one too): their collectives must line up
+        extend = dp.any_extend if dp is not None else not sched.mode.is_decode
+        strategy = overlap.PREFILL if extend else overlap.DECODE
+        states = (self.model.begin(batches[0]), self.model.begin(batches[1]))
+        overlap.run_overlapped(self.model.operations(strategy.name), states, batches, strategy.delta)
+        rows = [self.model.end(s, b)[b.last_token_index()] for s, b in zip(states, batches)]
+        if split.cut is not None:  # the cut sequence's first part samples nothing
+            rows[0] = torch.cat([rows[0][:split.cut], rows[0][split.cut + 1:]])
+        whole = batches[0]
+        whole.dp = dp
+        return whole, self.model.compute_logits(torch.cat(rows), whole)
 
 
 @contextlib.contextmanager

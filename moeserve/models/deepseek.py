@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.core import ForwardBatch
+from moeserve.core import YIELD, ForwardBatch, Yield
 from moeserve.distributed.comm import all_gather_tokens
 from moeserve.distributed.dispatcher import Dispatcher, DispatchOutput
 from moeserve.distributed.groups import ParallelGroups
@@ -41,6 +41,7 @@ class LayerState:
     topk: tuple[torch.Tensor, torch.Tensor] | None = None
     recv: DispatchOutput | None = None
     handle: object = None
+    pending: object = None  # an issued dispatch or combine, until its wait half
     dispatcher: Dispatcher | None = None
     expert_out: torch.Tensor | None = None
     shared_out: torch.Tensor | None = None
@@ -66,13 +67,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def ops(self) -> list[Op]:
-        attn = [self.op_input_norm, self.op_attn_prepare, self.op_attn_core, self.op_attn_output,
-                self.op_post_norm]
+    def ops(self, strategy: str = "plain") -> list[Op | Yield]:
+        """The layer's operations; with a two-batch-overlap ``strategy`` ("prefill" or "decode"),
+        ``YIELD`` markers where the other micro-batch may run (``executor/overlap.py``).
+
+        prefill: around the dispatch and the combine, so that while one micro-batch's all-to-all
+        is in flight the other's computation is queued (and its host-blocking dispatch starts only
+        after that); decode: five stages a layer, which the executor runs two stages apart."""
         if not self.is_moe:
-            return attn + [self.op_dense_mlp]
-        return attn + [self.op_mlp_gate, self.op_moe_dispatch, self.op_shared_experts,
-                       self.op_moe_experts, self.op_moe_combine]
+            return [self.op_input_norm, self.op_attn_prepare, self.op_attn_core, self.op_attn_output,
+                    self.op_post_norm, self.op_dense_mlp]
+        if strategy == "decode":
+            return [self.op_input_norm, self.op_attn_prepare, YIELD,
+                    self.op_attn_core, self.op_attn_output, self.op_post_norm, self.op_mlp_gate, YIELD,
+                    self.op_moe_dispatch_a, self.op_shared_experts, YIELD,
+                    self.op_moe_dispatch_b, self.op_moe_experts, self.op_moe_combine_a, YIELD,
+                    self.op_moe_combine_b, YIELD]
+        ops = [self.op_input_norm, self.op_attn_prepare, self.op_attn_core, self.op_attn_output, self.op_post_norm,
+               self.op_mlp_gate, YIELD, self.op_moe_dispatch_a, YIELD, self.op_moe_dispatch_b, self.op_shared_experts,
+               self.op_moe_experts, self.op_moe_combine_a, YIELD, self.op_moe_combine_b]
+        return ops if strategy == "prefill" else [op for op in ops if op is not YIELD]
 
     def forward(self, state: LayerState, batch: ForwardBatch) -> None:
         for op in self.ops():
@@ -104,16 +118,19 @@ class DecoderLayer(nn.Module):
     def op_mlp_gate(self, s: LayerState, batch: ForwardBatch) -> None:
         s.topk = self.mlp.route(s.hidden)
 
-    def op_moe_dispatch(self, s: LayerState, batch: ForwardBatch) -> None:
+    def op_moe_dispatch_a(self, s: LayerState, batch: ForwardBatch) -> None:
+        """Start sending the tokens to their experts (the all-to-all runs on while others compute)."""
         weights, ids = s.topk
         s.dispatcher = self.mlp.dispatcher(batch.dp_info().moe_mode)
-        own = s.dispatcher.disposable_buffers  # then the MoE frees its input and the tokens received early
-        if own:
+        if s.dispatcher.disposable_buffers:  # then the MoE frees its input and the tokens received early
             s.hidden = DisposableTensor.wrap(s.hidden, f"layer {self.layer_id} MoE input")
-        s.recv, s.handle = s.dispatcher.dispatch(s.hidden, ids, weights)
-        if own:
+        s.pending, s.topk = s.dispatcher.dispatch_a(s.hidden, ids, weights), None
+
+    def op_moe_dispatch_b(self, s: LayerState, batch: ForwardBatch) -> None:
+        s.recv, s.handle = s.dispatcher.dispatch_b(s.pending)
+        s.pending = None
+        if s.dispatcher.disposable_buffers:
             s.recv.hidden = DisposableTensor.wrap(s.recv.hidden, f"layer {self.layer_id} MoE dispatch output")
-        s.topk = None
 
     def op_shared_experts(self, s: LayerState, batch: ForwardBatch) -> None:
         s.shared_out = self.mlp.shared(s.hidden)
@@ -126,10 +143,15 @@ class DecoderLayer(nn.Module):
         dispose(s.recv.hidden, keep=(s.expert_out,))  # combine reads the handle and expert_out only
         s.recv = None
 
-    def op_moe_combine(self, s: LayerState, batch: ForwardBatch) -> None:
-        out = s.dispatcher.combine(s.expert_out, s.handle)
+    def op_moe_combine_a(self, s: LayerState, batch: ForwardBatch) -> None:
+        """Start sending the expert outputs back."""
+        s.pending = s.dispatcher.combine_a(s.expert_out, s.handle)
+        s.expert_out = s.handle = None
+
+    def op_moe_combine_b(self, s: LayerState, batch: ForwardBatch) -> None:
+        out = s.dispatcher.combine_b(s.pending)
         s.hidden = out if s.shared_out is None else out + s.shared_out
-        s.expert_out = s.handle = s.shared_out = s.dispatcher = None
+        s.pending = s.shared_out = s.dispatcher = None
 
 
 class DeepseekModel(nn.Module):
@@ -171,6 +193,11 @@ class DeepseekForCausalLM(nn.Module):
         else:
             hidden = self.model.norm(state.hidden, state.residual)[0]
         return self.layout.gather_attn(hidden, batch.dp_info())
+
+    def operations(self, strategy: str = "plain") -> list[Op | Yield]:
+        """Every layer's operations in order, one flat list (``DecoderLayer.ops``), for an executor
+        that runs it for one micro-batch or interleaves two."""
+        return [op for layer in self.model.layers for op in layer.ops(strategy)]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states ``[T, D]`` of every new token of this DP group after the final norm."""

@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from moeserve.config import EngineConfig
+from moeserve.config import EngineConfig, RunnerConfig
 from moeserve.core import DPInfo, FinishReason, Req, ScheduleBatch
 from moeserve.distributed.comm import all_gather_flat, broadcast_bytes, scatter_sizes
 from moeserve.distributed.groups import ParallelGroups, build_groups, init_world
 from moeserve.distributed.groups import single as single_groups
 from moeserve.executor.model_runner import ModelRunner
+from moeserve.executor.overlap import split_batch
 from moeserve.executor.sampler import SampleOutput
 from moeserve.models.tokenizer import load_tokenizer
 from moeserve.scheduler.channel import connect
@@ -54,24 +55,32 @@ STATS_INTERVAL_S = 0.05
 
 
 def agree(groups: ParallelGroups, batch: ScheduleBatch | None, backend: str, deepep_mode: str,
-          ll_capacity: int, controls_seen: int = 0, keep_going: bool = False) -> tuple[DPInfo | None, int]:
+          ll_capacity: int, controls_seen: int = 0, keep_going: bool = False,
+          overlap: RunnerConfig | None = None) -> tuple[DPInfo | None, int]:
     """Share every DP group's plan: (the step, None when no rank has work and none must
     ``keep_going`` (an expert rebalance under way: it moves on between passes); the newest control
-    that every rank has received). Picks the step's MoE mode."""
+    that every rank has received). Picks the step's MoE mode, and with two-batch ``overlap`` whether
+    the step splits in two micro-batches and every group's two halves (one collective for all)."""
+    split = split_batch(batch, overlap.tbo_token_distribution_threshold) if overlap else None
     mine = torch.tensor([batch.num_tokens if batch else 0, len(batch.seqs) if batch else 0,
-                         int(batch is not None and not batch.mode.is_decode), int(batch is not None), controls_seen])
-    rows = mine.view(1, 5)
+                         int(batch is not None and not batch.mode.is_decode), int(batch is not None), controls_seen,
+                         *(split.sizes if split else (0, 0, 0, 0))])
+    rows = mine.view(1, -1)
     if groups.world.size > 1:
-        gathered = torch.zeros(groups.world.size * 5, dtype=mine.dtype)
+        gathered = torch.zeros(groups.world.size * mine.numel(), dtype=mine.dtype)
         all_gather_flat(gathered, mine, groups.cpu_world)
-        rows = gathered.view(-1, 5)
+        rows = gathered.view(groups.world.size, -1)
     controls_ready = int(rows[:, 4].min())
     table = rows[::groups.attn_tp.size].tolist()  # one row per DP group, from its first rank
     if not any(row[3] for row in table) and not keep_going:
         return None, controls_ready
-    tokens, seqs = [r[0] for r in table], [r[1] for r in table]
-    dp = DPInfo(tokens, seqs, _moe_mode(tokens, any(r[2] for r in table), groups, backend, deepep_mode, ll_capacity))
-    return dp, controls_ready
+    tokens, seqs, any_extend = [r[0] for r in table], [r[1] for r in table], any(r[2] for r in table)
+    mode = _moe_mode(tokens, any_extend, groups, backend, deepep_mode, ll_capacity)
+    halves = None
+    if overlap is not None and max(tokens) >= overlap.tbo_min_tokens:
+        halves = (DPInfo([r[5] for r in table], [r[6] for r in table], mode),
+                  DPInfo([r[7] for r in table], [r[8] for r in table], mode))
+    return DPInfo(tokens, seqs, mode, halves, any_extend), controls_ready
 
 
 def _moe_mode(tokens: list[int], any_extend: bool, groups: ParallelGroups, backend: str, deepep_mode: str,
@@ -106,6 +115,7 @@ class EngineLoop:
     def _init_collectives(self) -> None:
         """What the scheduler must agree on with the other ranks, each step."""
         par, sched = self.config.parallel, self.scheduler
+        overlap = self.config.runner if self.config.runner.enable_two_batch_overlap else None
         sched.sample_sync = self._share_samples
         sched.tp_min = self._tp_min
 
@@ -113,7 +123,7 @@ class EngineLoop:
             eplb = self.runner.eplb  # its state is the same on every rank (passes and agreed controls)
             dp, controls_ready = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode,
                                        par.max_dispatch_tokens_per_rank, self.controls.seen,
-                                       eplb is not None and eplb.busy)
+                                       eplb is not None and eplb.busy, overlap)
             self.controls.run(controls_ready)  # every rank at this same step
             return dp is not None, dp
 

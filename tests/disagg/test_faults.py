@@ -150,8 +150,14 @@ def _retracted(pair: Pair):
     """Four requests whose outputs outgrow the decode side's 48-slot cache: one is retracted."""
     reqs = [pair.add(prompt_len=n, params=SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
             for n in (7, 3, 7, 3)]
+    deadline = time.monotonic() + WAIT_S
+    while len(pair.decode.decode.running) < len(reqs):  # all transferred before any decodes, whatever the load
+        assert time.monotonic() < deadline, "timed out waiting for the transfers"
+        pair.prefill.step()
+        pair.decode.role.poll()
+        time.sleep(0.001)
     pair.until(lambda: any(d.num_retractions and d in pair.decode.prefill.waiting for _, d in reqs),
-               what="a retraction")
+               ("decode",), "a retraction")
     return next((p, d) for p, d in reqs if d.num_retractions and d in pair.decode.prefill.waiting)
 
 

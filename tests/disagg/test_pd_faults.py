@@ -104,7 +104,7 @@ def test_a_killed_prefill_server_fails_only_its_requests_and_comes_back(model_pa
         assert all(o.kind == "error" and (o.status >= 500 or o.status == 0) for o in outcomes if o.kind != "ok")
         for orphan in orphans:  # within the heartbeat window: 2 misses of 0.5 s, plus the time to notice
             assert orphan.kind == "error" and "missed 2 health checks" in orphan.message, orphan.message
-            assert orphan.ended - killed < 5
+            assert orphan.ended - killed < 10
         assert wait_for(lambda: _router_healthy(router, p0) == 0, timeout=10)
         _check_ok(asyncio.run(_through_router(router, LONG[:4])), LONG[:4], want)  # no restart: p1 serves
         assert wait_for(lambda: pages_used(decode) == 0 and pages_used(p1) == 0, timeout=30)

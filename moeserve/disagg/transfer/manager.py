@@ -46,6 +46,7 @@ Address = tuple[str, int]  # a prefill server's bootstrap server (host, port)
 POLL_MS = 2
 REGISTER_RETRY_S = 0.5
 LOOKUP_TIMEOUT_S = 5.0
+HEARTBEAT_MIN_TIMEOUT_S = 2.0
 ROUTE_RETRY_S = 0.1  # a prefill server not up yet, or whose ranks are still registering, is asked again
 EXPIRY_CHECK_S = 0.05
 ENDED_ROOMS_KEPT = 1 << 16  # rooms a prefill rank remembers as ended, to answer a late decode side at once
@@ -725,7 +726,9 @@ class Heartbeat:
 
     def _run(self) -> None:
         limits = self.manager.args.deadlines
-        with httpx.Client(timeout=min(limits.heartbeat_interval, LOOKUP_TIMEOUT_S), trust_env=False) as http:
+        # a slow answer is not a missed one: a loaded prefill server gets seconds, however often it is asked
+        timeout = min(max(limits.heartbeat_interval, HEARTBEAT_MIN_TIMEOUT_S), LOOKUP_TIMEOUT_S)
+        with httpx.Client(timeout=timeout, trust_env=False) as http:
             while not self.manager._stop.wait(limits.heartbeat_interval):
                 watched = self.manager.watched()
                 self.misses = {a: n for a, n in self.misses.items() if a in watched}
