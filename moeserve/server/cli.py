@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 
 def add_config_flags(p: argparse.ArgumentParser, names: set[str] | None = None,
@@ -139,84 +136,6 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eplb_plan(args: argparse.Namespace) -> int:
-    from moeserve.eplb.algorithm import balancedness, rebalance_experts, trivial_phy2log
-    from moeserve.eplb.files import load_distribution, save_placement
-
-    try:
-        dist = load_distribution(args.distribution)
-    except OSError as exc:
-        print(f"error: --distribution: {exc}", file=sys.stderr)
-        return 2
-    count, num_groups = dist.logical_count, dist.num_groups if args.num_groups is None else args.num_groups
-    _check_eplb_plan_flags(args, dist.num_logical, num_groups)
-    num_physical = dist.num_logical + args.redundant
-    phy2log, _, logcnt = rebalance_experts(count, num_physical, num_groups, args.nnodes, args.ep_size)
-    trivial = trivial_phy2log(dist.num_layers, dist.num_logical, num_physical)
-    before, after = balancedness(trivial, count, args.ep_size), balancedness(phy2log, count, args.ep_size)
-    policy = "hierarchical" if num_groups % args.nnodes == 0 else "global"
-    print(f"expert distribution: {args.distribution}: {dist.num_layers} layers ({int((count.sum(1) > 0).sum())} "
-          f"with load), {dist.num_logical} logical experts in {num_groups} groups, mode "
-          f"{dist.meta.get('mode', '?')}, {dist.meta.get('passes', '?')} passes")
-    print(f"placement: {num_physical} physical slots ({dist.num_logical} logical + {args.redundant} redundant) on "
-          f"{args.ep_size} EP ranks ({num_physical // args.ep_size} per rank), {args.nnodes} node(s), {policy}")
-    print(f"balancedness (mean / max GPU load, 1 = even): before {before:.4f} (trivial placement), after {after:.4f}")
-    if args.per_layer:
-        _print_eplb_layers(count, trivial, phy2log, logcnt, args.ep_size)
-    meta = {"distribution": os.path.basename(args.distribution), "num_redundant": args.redundant,
-            "num_nodes": args.nnodes, "num_groups": num_groups, "policy": policy,
-            "balancedness_before": before, "balancedness_after": after}
-    try:
-        save_placement(args.out, phy2log, dist.num_logical, args.ep_size, meta=meta)
-    except OSError as exc:
-        print(f"error: --out: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote the placement to {args.out}")
-    return 0
-
-
-def _print_eplb_layers(count: torch.Tensor, trivial: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor,
-                       ep_size: int) -> None:
-    """Each layer's tokens, balancedness before and after, and its most replicated expert's count."""
-    from moeserve.eplb.algorithm import layer_balancedness
-
-    rows = zip(count.sum(1).tolist(), layer_balancedness(trivial, count, ep_size).tolist(),
-               layer_balancedness(phy2log, count, ep_size).tolist(), logcnt.max(1).values.tolist())
-    print(f"{'layer':>5} {'tokens':>12} {'before':>7} {'after':>7} {'max replicas':>12}")
-    for layer, (tokens, before, after, most) in enumerate(rows):
-        print(f"{layer:>5} {tokens:>12.0f} {before:>7.4f} {after:>7.4f} {most:>12}")
-
-
-def _check_eplb_plan_flags(args: argparse.Namespace, num_logical: int, num_groups: int) -> None:
-    """ValueErrors that name the flag, before the balancer's own checks."""
-    num_physical = num_logical + args.redundant
-    for flag, value in [("--ep-size", args.ep_size), ("--nnodes", args.nnodes), ("--num-groups", num_groups)]:
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.redundant < 0:
-        raise ValueError(f"--redundant must be >= 0, got {args.redundant}")
-    if num_physical % args.ep_size:
-        raise ValueError(f"--ep-size {args.ep_size} does not divide the {num_physical} physical slots "
-                         f"({num_logical} logical + --redundant {args.redundant})")
-    if args.ep_size % args.nnodes:
-        raise ValueError(f"--nnodes {args.nnodes} does not divide --ep-size {args.ep_size}")
-    if num_logical % num_groups:
-        raise ValueError(f"--num-groups {num_groups} does not split the {num_logical} logical experts")
-
-
-def _add_eplb_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--distribution", required=True, metavar="FILE",
-                   help="an expert distribution (.json or .pt) a server dumped")
-    p.add_argument("--ep-size", type=int, required=True, help="EP ranks (GPUs) the experts spread over")
-    p.add_argument("--redundant", type=int, default=0, help="physical expert slots beyond one per logical expert "
-                                                            "(default: 0)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes; balancing is hierarchical (groups packed onto "
-                                                         "nodes) when the groups divide over them (default: 1)")
-    p.add_argument("--num-groups", type=int, default=None, help="expert groups (default: the distribution's)")
-    p.add_argument("--per-layer", action="store_true", help="also print each layer's balancedness")
-    p.add_argument("--out", required=True, metavar="FILE", help="the placement to write (.json or .pt)")
-
-
 def _command(sub: Any, name: str, help: str, add_args: Any, func: Any) -> None:
     """A subcommand whose flags ``add_args`` adds and which ``func`` runs."""
     p = sub.add_parser(name, help=help)
@@ -259,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     from moeserve.bench.serving import add_serving_args
     from moeserve.bench.transfer import add_transfer_args
     from moeserve.planner import add_plan_args, run_plan
+    from moeserve.server import eplb_commands
     from moeserve.server.router import add_router_args, run_router
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -279,7 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     eplb = sub.add_parser("eplb", help="expert-parallel load balancing from recorded expert load").add_subparsers(
         dest="eplb", required=True)
     _command(eplb, "plan", "a balanced expert placement (--init-expert-location) from an expert distribution",
-             _add_eplb_plan_args, cmd_eplb_plan)
+             eplb_commands.add_plan_args, eplb_commands.cmd_plan)
+    _command(eplb, "record", "record the routed experts of prompts run offline (per token, for eplb simulate)",
+             eplb_commands.add_record_args, eplb_commands.cmd_record)
+    _command(eplb, "simulate", "modelled GPU balancedness of a workload against EP size, with and without EPLB",
+             eplb_commands.add_simulate_args, eplb_commands.cmd_simulate)
+    _command(eplb, "drift", "modelled balancedness as traffic drifts from the workload EPLB planned on",
+             eplb_commands.add_drift_args, eplb_commands.cmd_drift)
     _command(sub, "router", "the prefill/decode disaggregation router in front of PD servers", add_router_args,
              run_router)
     _command(sub, "plan", "per-rank memory of a deployment layout; the memory-optimal dense TP", add_plan_args,
