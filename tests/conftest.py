@@ -28,3 +28,17 @@ def hf_model_path(hf_root):
         return cached_hf_model(hf_root, variant, seed)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def layout_model(hf_model_path) -> str:
+    """The V3 checkpoint the layout, overlap and rebalance tests run (``tests/distributed/layouts``)."""
+    return hf_model_path("v3", 0)
+
+
+@pytest.fixture(scope="session")
+def layout_reference(layout_model) -> list[list[int]]:
+    """The single-process engine's greedy tokens of ``layouts.requests()``: what every layout must give."""
+    from tests.distributed.layouts import greedy_tokens
+
+    return greedy_tokens(layout_model)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from moeserve.config import EngineConfig
+from moeserve.core import default_dtype
 from moeserve.layers.moe import Experts
 from moeserve.models.loader import load_checkpoint
 
@@ -49,13 +50,8 @@ def _experts_module(config: EngineConfig, layer: int, logical_ids: list[int], fp
 
 
 def _read(config: EngineConfig, layer: int, logical_ids: list[int], fp8: bool, dtype: torch.dtype) -> Experts:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("cpu"):
-            root = _experts_module(config, layer, logical_ids, fp8)
-    finally:
-        torch.set_default_dtype(old)
+    with torch.device("cpu"), default_dtype(dtype):
+        root = _experts_module(config, layer, logical_ids, fp8)
     load_checkpoint(root, config.load.model_path, config.model, partial=True)
     return root.model.layers[str(layer)].mlp.experts
 
@@ -87,14 +83,9 @@ class DummyWeights(ExpertWeights):
 
     def fetch(self, layer: int, logical: int) -> dict[str, torch.Tensor]:
         cfg = self.config.model
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                experts = Experts([logical], cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                  self.fp8, layer)
-        finally:
-            torch.set_default_dtype(old)
+        with torch.device(self.device), default_dtype(self.dtype):
+            experts = Experts([logical], cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                              self.fp8, layer)
         experts.fill_dummy(self.config.load.seed)
         return {name: stack[0] for name, stack in experts.stacks().items()}
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import numpy as np
@@ -10,7 +9,7 @@ import torch
 
 from moeserve.cache import MLAKVPool, PagePool, kv_capacity_tokens
 from moeserve.config import EngineConfig
-from moeserve.core import DPInfo, ForwardBatch, ForwardMode, ScheduleBatch
+from moeserve.core import DPInfo, ForwardBatch, ForwardMode, ScheduleBatch, default_dtype
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.groups import single as single_groups
 from moeserve.eplb import files
@@ -48,7 +47,7 @@ class ModelRunner:
         self.moe_options = moe = MoEOptions(self._initial_placement(), par.moe_a2a_backend, par.deepep_mode,
                                             par.max_dispatch_tokens_per_rank, self.config.eplb.ep_dispatch_algorithm,
                                             self._make_recorder())
-        with torch.device(self.device), _default_dtype(self.dtype):
+        with torch.device(self.device), default_dtype(self.dtype):
             model = DeepseekForCausalLM(cfg, self.groups, moe, fp8=self.fp8_weights)
         if load.load_format == "dummy":
             load_dummy(model, load.seed)
@@ -240,16 +239,6 @@ class ModelRunner:
         whole = batches[0]
         whole.dp = dp
         return whole, self.model.compute_logits(torch.cat(rows), whole)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def _ragged_positions(lens: torch.Tensor, total: int, indptr: torch.Tensor | None,

@@ -27,29 +27,19 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_path(hf_model_path):
-    return hf_model_path("v3", 0)
-
-
-@pytest.fixture(scope="module")
-def reference(model_path):
-    return greedy_tokens(model_path)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(model_path, reference, name):
-    assert greedy_tokens(model_path, **LAYOUTS[name]) == reference
+def test_layout_matches_single_process(layout_model, layout_reference, name):
+    assert greedy_tokens(layout_model, **LAYOUTS[name]) == layout_reference
 
 
-def test_bad_layouts_are_refused(model_path):
+def test_bad_layouts_are_refused(layout_model):
     with pytest.raises(ValueError, match="dp_size"):
-        LLM(model_path, tp_size=4, dp_size=3, enable_dp_attention=True)
+        LLM(layout_model, tp_size=4, dp_size=3, enable_dp_attention=True)
     with pytest.raises(ValueError, match="moe_dense_tp_size"):
-        LLM(model_path, tp_size=4, moe_dense_tp_size=3)
+        LLM(layout_model, tp_size=4, moe_dense_tp_size=3)
     with pytest.raises(ValueError, match="ep_size"):
-        LLM(model_path, tp_size=2, ep_size=2)  # EP needs an all-to-all backend
+        LLM(layout_model, tp_size=2, ep_size=2)  # EP needs an all-to-all backend
     with pytest.raises(RuntimeError, match="physical experts"):
-        LLM(model_path, tp_size=4, moe_a2a_backend="torch", ep_num_redundant_experts=1)
+        LLM(layout_model, tp_size=4, moe_a2a_backend="torch", ep_num_redundant_experts=1)
     with pytest.raises(RuntimeError, match="DeepEP"):
-        LLM(model_path, tp_size=2, moe_a2a_backend="deepep")
+        LLM(layout_model, tp_size=2, moe_a2a_backend="deepep")

@@ -16,22 +16,12 @@ OVERLAP = {"enable_two_batch_overlap": True, "tbo_min_tokens": 2}
 SOME = {"enable_two_batch_overlap": True, "tbo_min_tokens": 20}
 
 
-@pytest.fixture(scope="module")
-def model_path(hf_model_path):
-    return hf_model_path("v3", 0)
-
-
-@pytest.fixture(scope="module")
-def reference(model_path):
-    return greedy_tokens(model_path)
-
-
 @pytest.mark.parametrize("name", ["single", *LAYOUTS])
-def test_overlap_matches_single_process(model_path, reference, name):
+def test_overlap_matches_single_process(layout_model, layout_reference, name):
     layout = LAYOUTS.get(name, {})
-    assert greedy_tokens(model_path, **layout, **OVERLAP) == reference
+    assert greedy_tokens(layout_model, **layout, **OVERLAP) == layout_reference
 
 
 @pytest.mark.parametrize("name", ["single", "tp4-dp4-auto-dense1"])
-def test_steps_below_the_threshold_run_whole(model_path, reference, name):
-    assert greedy_tokens(model_path, **LAYOUTS.get(name, {}), **SOME) == reference
+def test_steps_below_the_threshold_run_whole(layout_model, layout_reference, name):
+    assert greedy_tokens(layout_model, **LAYOUTS.get(name, {}), **SOME) == layout_reference

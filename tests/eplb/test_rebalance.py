@@ -11,22 +11,12 @@ from moeserve import LLM, SamplingParams
 from moeserve.core import BootstrapInfo
 from moeserve.eplb.placement import ExpertPlacement
 from tests.disagg.pd_utils import bootstrap_server, pd_scheduler
-from tests.distributed.layouts import ENGINE, greedy_tokens, requests
+from tests.distributed.layouts import ENGINE, requests
 
 DP4 = {"tp_size": 4, "dp_size": 4, "enable_dp_attention": True, "moe_a2a_backend": "torch",
        "ep_num_redundant_experts": 4}
 # a rebalance every 4 passes, one layer per pause: several rebalances, each in 2 chunks, while requests run
 EPLB = {"enable_eplb": True, "eplb_rebalance_num_iterations": 4, "eplb_rebalance_layers_per_chunk": 1}
-
-
-@pytest.fixture(scope="module")
-def model_path(hf_model_path):
-    return hf_model_path("v3", 0)
-
-
-@pytest.fixture(scope="module")
-def reference(model_path):
-    return greedy_tokens(model_path)
 
 
 def _trivial(num_layers: int = 3) -> list[list[int]]:
@@ -35,10 +25,10 @@ def _trivial(num_layers: int = 3) -> list[list[int]]:
 
 @pytest.mark.parametrize("mode, algorithm", [("low_latency", "static"), ("normal", "static"),
                                              ("auto", "dynamic")])
-def test_greedy_tokens_survive_rebalances_mid_run(model_path, reference, mode, algorithm):
+def test_greedy_tokens_survive_rebalances_mid_run(layout_model, layout_reference, mode, algorithm):
     prompts, params = requests()
-    with LLM(model_path, **ENGINE, **DP4, **EPLB, deepep_mode=mode, ep_dispatch_algorithm=algorithm) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+    with LLM(layout_model, **ENGINE, **DP4, **EPLB, deepep_mode=mode, ep_dispatch_algorithm=algorithm) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == layout_reference
         stats = llm.expert_stats()
     assert stats["rebalances"] >= 2 and len(stats["pauses_s"]) == 2  # two MoE layers, one per pause
     assert stats["phy2log"] != _trivial()  # experts did move between ranks
@@ -46,15 +36,15 @@ def test_greedy_tokens_survive_rebalances_mid_run(model_path, reference, mode, a
 
 
 @pytest.mark.parametrize("source", ["host", "mmap"])
-def test_a_rebalance_asked_for_moves_experts_and_outputs_stay(model_path, source):
+def test_a_rebalance_asked_for_moves_experts_and_outputs_stay(layout_model, source):
     """Asked through the control path (as ``POST /rebalance_experts``), on one rank with FP8
     weights: the scales move with the weights, read from a host copy or the mapped checkpoint."""
     prompts, params = requests()
     settings = {"ep_num_redundant_experts": 3, "enable_eplb": True, "eplb_rebalance_num_iterations": 10_000,
                 "quantization": "fp8", "eplb_weights_source": source}
-    with LLM(model_path, **ENGINE, quantization="fp8") as plain:
+    with LLM(layout_model, **ENGINE, quantization="fp8") as plain:
         want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    with LLM(model_path, **ENGINE, **settings) as llm:
+    with LLM(layout_model, **ENGINE, **settings) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
         before = llm.expert_stats()["phy2log"]
         result = llm.rebalance_experts()
@@ -74,18 +64,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def test_fake_dispatch_serves_valid_tokens_and_balances_the_load(model_path):
+def test_fake_dispatch_serves_valid_tokens_and_balances_the_load(layout_model):
     prompts, params = requests()
     settings = {**DP4, "deepep_mode": "low_latency", "ep_dispatch_algorithm": "fake",
                 "expert_distribution_recorder_mode": "stat"}
-    with LLM(model_path, **ENGINE, **settings) as llm:
+    with LLM(layout_model, **ENGINE, **settings) as llm:
         llm.start_expert_distribution_record()
         outs = llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * len(prompts),
                             use_tqdm=False)
         dumped = llm.dump_expert_distribution_record()
     assert all(len(o.token_ids) == 40 and all(0 <= t < 320 for t in o.token_ids) for o in outs)
     assert dumped["balancedness"] > 0.8  # uniform random routing: near 1
-    with LLM(model_path, **ENGINE, **{**settings, "ep_dispatch_algorithm": "static"}) as llm:
+    with LLM(layout_model, **ENGINE, **{**settings, "ep_dispatch_algorithm": "static"}) as llm:
         llm.start_expert_distribution_record()
         llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * len(prompts),
                      use_tqdm=False)
@@ -93,14 +83,14 @@ def test_fake_dispatch_serves_valid_tokens_and_balances_the_load(model_path):
     assert dumped["balancedness"] > routed["balancedness"]  # the real router is skewed
 
 
-def test_prefill_and_decode_servers_keep_their_own_recorders_and_placements(model_path, reference, tmp_path):
+def test_prefill_and_decode_servers_keep_their_own_recorders_and_placements(layout_model, layout_reference, tmp_path):
     eplb = {"ep_num_redundant_experts": 3, "enable_eplb": True, "eplb_rebalance_num_iterations": 10_000}
     secret = str(tmp_path / "secret")
     with bootstrap_server(secret) as (port, _):
-        prefill, decode = (pd_scheduler(model_path, mode, "fake", port, secret, **eplb)
+        prefill, decode = (pd_scheduler(layout_model, mode, "fake", port, secret, **eplb)
                            for mode in ("prefill", "decode"))
         try:
-            assert _pd_round(prefill, decode, port, first_room=0) == reference
+            assert _pd_round(prefill, decode, port, first_room=0) == layout_reference
             before = [s.runner.eplb.current.phy2log.clone() for s in (prefill, decode)]
             decode.runner.eplb.request_rebalance()  # the decode server rebalances from its own load only
             while decode.runner.eplb.busy:
@@ -109,7 +99,7 @@ def test_prefill_and_decode_servers_keep_their_own_recorders_and_placements(mode
             assert not torch.equal(decode.runner.eplb.current.phy2log, before[1])
             prefill_load, decode_load = (s.runner.eplb.recorder.totals()[0] for s in (prefill, decode))
             assert not torch.equal(prefill_load, decode_load)  # prompts there, generated tokens here
-            assert _pd_round(prefill, decode, port, first_room=100) == reference
+            assert _pd_round(prefill, decode, port, first_room=100) == layout_reference
         finally:
             prefill.role.close()
             decode.role.close()

@@ -8,16 +8,14 @@ peak CUDA memory of a DeepSeek-V3-sized MoE stack with disposal off and on.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.core import DPInfo, ForwardBatch, ForwardMode
+from moeserve.core import DPInfo, ForwardBatch, ForwardMode, default_dtype
 from moeserve.distributed.dispatcher import LocalDispatcher
 from moeserve.distributed.groups import Group, ParallelGroups, single
 from moeserve.eplb.placement import ExpertPlacement
@@ -205,16 +203,6 @@ def test_ep_greedy_tokens_with_disposal_match_single_process_without(hf_model_pa
 # peak memory on a GPU
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def moe_peak_memory(num_tokens: int = 4096, num_layers: int = 3, num_experts: int = 16) -> dict[str, int]:
     """Peak CUDA memory (bytes above what was allocated before) of one pass of ``num_layers``
     DeepSeek-V3-sized MoE halves (hidden 7168, top-8, bf16, LocalDispatcher) over
@@ -222,7 +210,7 @@ def moe_peak_memory(num_tokens: int = 4096, num_layers: int = 3, num_experts: in
     cfg = v3_config(num_hidden_layers=num_layers, first_k_dense_replace=0, n_routed_experts=num_experts,
                     num_attention_heads=16)  # attention does not run: few heads keep the set-up light
     moe = MoEOptions.single(cfg)  # the placement is made on the host, as the model runner makes it
-    with torch.device("cuda"), _default_dtype(torch.bfloat16):
+    with torch.device("cuda"), default_dtype(torch.bfloat16):
         layers = moe_layers(cfg, moe=moe)
         hidden, residual = (torch.randn(num_tokens, cfg.hidden_size) for _ in range(2))
     peaks, outputs = {"input": hidden.nbytes}, {}
