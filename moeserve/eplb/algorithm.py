@@ -185,8 +185,8 @@ def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, 
     else:
         phy2log = _place(load, num_replicas, 1, 1, num_gpus)
     num_logical = weight.shape[1]
-    logcnt = _count(phy2log, num_logical)
-    return phy2log, _log2phy(phy2log, logcnt, num_replicas - num_logical + 1), logcnt
+    logcnt = replica_counts(phy2log, num_logical)
+    return phy2log, replica_slots(phy2log, logcnt, num_replicas - num_logical + 1), logcnt
 
 
 def _check_sizes(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int) -> None:
@@ -239,13 +239,13 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(perm).scatter_(-1, perm, torch.arange(perm.shape[-1]).expand_as(perm))
 
 
-def _count(phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:
+def replica_counts(phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:
     """``logcnt [L, E]`` of ``phy2log [L, P]``."""
     logcnt = torch.zeros(phy2log.shape[0], num_logical, dtype=torch.int64)
     return logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
 
 
-def _log2phy(phy2log: torch.Tensor, logcnt: torch.Tensor, width: int) -> torch.Tensor:
+def replica_slots(phy2log: torch.Tensor, logcnt: torch.Tensor, width: int) -> torch.Tensor:
     """``log2phy [L, E, width]`` of ``phy2log [L, P]`` and its ``logcnt [L, E]``: slots in slot order."""
     layers, num_phy = phy2log.shape
     order = phy2log.sort(dim=-1, stable=True).indices  # [L, P] slots grouped by expert, in slot order
@@ -269,7 +269,7 @@ def gpu_loads(phy2log: torch.Tensor, weight: torch.Tensor, num_gpus: int) -> tor
     if phy2log.numel() and (phy2log.min() < 0 or phy2log.max() >= num_logical):
         raise ValueError(f"phy2log: names experts outside [0, {num_logical})")
     load = weight.to(torch.float64).cpu()
-    logcnt = _count(phy2log, num_logical)
+    logcnt = replica_counts(phy2log, num_logical)
     if ((logcnt == 0) & (load > 0)).any():
         raise ValueError("phy2log: an expert with load has no physical slot")
     per_slot = (load / logcnt.clamp(min=1)).gather(-1, phy2log)  # [L, P]
@@ -286,10 +286,18 @@ def layer_balancedness(phy2log: torch.Tensor, weight: torch.Tensor, num_gpus: in
 
 def balancedness(phy2log: torch.Tensor, weight: torch.Tensor, num_gpus: int) -> float:
     """Mean of ``layer_balancedness`` over the layers with any load (1.0 when none has)."""
-    loaded = weight.to(torch.float64).sum(-1) > 0  # [L]
+    return balancedness_of(gpu_loads(phy2log, weight, num_gpus))
+
+
+def balancedness_of(loads: torch.Tensor) -> float:
+    """Mean over the layers with any load of mean / max of the GPU loads ``[L, N]`` (1.0 when none
+    has): what ``balancedness`` gives for a placement's estimate, and the recorder for measured loads."""
+    loads = loads.to(torch.float64)
+    peak = loads.max(-1).values  # [L]
+    loaded = peak > 0
     if not loaded.any():
         return 1.0
-    return float(layer_balancedness(phy2log, weight, num_gpus)[loaded].mean())
+    return float((loads.mean(-1)[loaded] / peak[loaded]).mean())
 
 
 def trivial_phy2log(num_layers: int, num_logical: int, num_physical: int) -> torch.Tensor:

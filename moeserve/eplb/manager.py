@@ -18,6 +18,7 @@ valid. Shapes: ``L`` layers, ``E`` logical experts, ``P`` physical slots.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -158,7 +159,7 @@ class EplbManager:
         moves = []
         slots = self.current.local_slots(self.ep_rank)
         stream = self._stream
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for layer in layers:
                 old = self.current.phy2log[layer, slots.start:slots.stop]
                 new = self._plan.phy2log[layer, slots.start:slots.stop]
@@ -263,10 +264,3 @@ class EplbManager:
             dist.all_reduce(stacked, group=self.world.group)
         return [{"phase": p.phase, "logical_count": c.tolist()} for p, c in zip(passes, stacked.cpu())]
 
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.eplb.algorithm import replica_counts, replica_slots, trivial_phy2log
+
 DISPATCH_ALGORITHMS = ("static", "dynamic", "fake")
 
 
@@ -59,21 +61,15 @@ class ExpertPlacement:
         """Build ``log2phy`` (width ``X = physical - logical + 1``) and ``logcnt`` from ``phy2log
         [layers, physical]``; raises ValueError when a logical expert has no slot."""
         phy2log = phy2log.to(torch.int64).cpu()
-        layers, physical = phy2log.shape
+        physical = phy2log.shape[1]
         if physical < num_logical:
             raise ValueError(f"{physical} physical slots cannot hold {num_logical} logical experts")
         if phy2log.numel() and (phy2log.min() < 0 or phy2log.max() >= num_logical):
             raise ValueError(f"phy2log names experts outside [0, {num_logical})")
-        logcnt = torch.zeros(layers, num_logical, dtype=torch.int64)
-        logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
+        logcnt = replica_counts(phy2log, num_logical)
         if (logcnt == 0).any():
             raise ValueError("every logical expert needs at least one physical slot")
-        log2phy = torch.full((layers, num_logical, physical - num_logical + 1), -1, dtype=torch.int64)
-        for layer in range(layers):
-            seen = [0] * num_logical
-            for phy, log in enumerate(phy2log[layer].tolist()):
-                log2phy[layer, log, seen[log]] = phy
-                seen[log] += 1
+        log2phy = replica_slots(phy2log, logcnt, physical - num_logical + 1)
         return cls(phy2log, log2phy, logcnt, ep_size)
 
     @classmethod
@@ -83,8 +79,7 @@ class ExpertPlacement:
         The replicas are spread so that with ``num_redundant`` a multiple of ``ep_size`` each rank
         gets the same number of slots; EPLB replaces this with a placement balanced by load.
         """
-        order = list(range(num_logical)) + [i % num_logical for i in range(num_redundant)]
-        phy2log = torch.tensor(order, dtype=torch.int64).expand(num_layers, -1).contiguous()
+        phy2log = trivial_phy2log(num_layers, num_logical, num_logical + num_redundant)
         return cls.from_phy2log(phy2log, num_logical, ep_size)
 
 

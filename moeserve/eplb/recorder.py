@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeserve.eplb.algorithm import balancedness_of
+
 RECORDER_MODES = ("stat", "per_pass", "per_token")
 ALL_TOKENS = 1 << 62  # ``valid`` when every row of the batch is a real token
 
@@ -120,9 +122,4 @@ class ExpertRecorder:
 def gpu_balancedness(physical: torch.Tensor, num_gpus: int) -> float:
     """Mean over layers (with any load) of mean / max tokens per GPU, from ``physical [L, P]``
     token counts (slot ``p`` on GPU ``p // (P / num_gpus)``); 1.0 is a perfect balance."""
-    per_gpu = physical.double().view(physical.shape[0], num_gpus, -1).sum(-1)  # [L, N]
-    loaded = per_gpu.sum(1) > 0
-    if not loaded.any():
-        return 1.0
-    per_gpu = per_gpu[loaded]
-    return float((per_gpu.mean(1) / per_gpu.max(1).values).mean())
+    return balancedness_of(physical.view(physical.shape[0], num_gpus, -1).sum(-1))

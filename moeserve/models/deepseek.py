@@ -139,9 +139,7 @@ class DecoderLayer(nn.Module):
         dispose(s.hidden, keep=(s.residual, s.shared_out))
 
     def op_moe_experts(self, s: LayerState, batch: ForwardBatch) -> None:
-        s.expert_out = self.mlp.experts(s.recv)
-        dispose(s.recv.hidden, keep=(s.expert_out,))  # combine reads the handle and expert_out only
-        s.recv = None
+        s.expert_out, s.recv = self.mlp.experts(s.recv), None  # the experts freed what they received
 
     def op_moe_combine_a(self, s: LayerState, batch: ForwardBatch) -> None:
         """Start sending the expert outputs back."""

@@ -23,7 +23,7 @@ import httpx
 from moeserve import LLM, SamplingParams
 from moeserve.models.tiny import make_tiny_model
 from moeserve.server import procs
-from tests.e2e.server_utils import descendants, metric
+from tests.e2e.server_utils import descendants, metric, wait_for
 
 SERVER = ["--max-total-tokens", "8192", "--page-size", "4", "--chunked-prefill-size", "16",
           "--served-model-name", "m"]
@@ -209,22 +209,13 @@ def _summary(results: list[Any], want: dict, servers: list[procs.Proc], events: 
     outcomes = Counter(out.kind for _, out in results)
     causes = Counter(_cause(out) for _, out in results if out.kind == "error")
     mismatched = [(case, out.text) for case, out in results if out.kind == "ok" and out.text != want[case]]
-    drained = all(_eventually(lambda s=s: pages_used(s) == 0) for s in servers[:-1])
+    drained = all(wait_for(lambda s=s: pages_used(s) == 0, timeout=30) for s in servers[:-1])
     return {"requests": cfg.requests, "concurrency": cfg.concurrency, "disconnect_prob": cfg.disconnect_prob,
             "failure_prob": cfg.failure_prob, "seconds": round(seconds, 1), "outcomes": dict(outcomes),
             "errors_by_cause": dict(causes), "mismatched": len(mismatched), **events,
             "pages_used_after": {s.name: pages_used(s) for s in servers[:-1]}, "drained": drained,
             "health_generate": {s.name: httpx.get(f"{s.url}/health_generate", timeout=30).status_code
                                 for s in servers[:-1]}}
-
-
-def _eventually(predicate, timeout_s: float = 30) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def _cause(out: Outcome) -> str:
