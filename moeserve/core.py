@@ -260,6 +260,10 @@ class ForwardBatch:
     kv_pool: Any = None  # the MLAKVPool the attention layers read and write
     page_size: int | None = None  # kv_indices lie on pages of this many slots (slot = page * size + t % size)
     dp: DPInfo | None = None  # what every data-parallel group runs this step
+    # kernels that size their launch by the batch (MLA decode's KV splits) size it as for this
+    # many sequences: a two-batch-overlap micro-batch gives its whole batch's, so that splitting
+    # a batch changes no sequence's order of reduction
+    launch_batch_size: int | None = None
 
     def dp_info(self) -> DPInfo:
         return self.dp or DPInfo([self.num_tokens], [self.batch_size], "normal")

@@ -1,6 +1,8 @@
 """Two-batch overlap on one GPU, DeepSeek-V3 shapes: the same logits and greedy tokens with overlap on
-and off, the peak activation memory of a 16K-token prefill both ways, and the host time of a decode
-step through the operation executor against the old loop over the layers.
+and off (eager, and decode under CUDA graphs captured as two micro-batches), the decode step's
+logits of two half batches against the whole (with the kernels' launches sized as the whole batch,
+and without), the peak activation memory of a 16K-token prefill both ways, and the host time of a
+decode step through the operation executor against the old loop over the layers.
 
     python tools/tbo_gpu.py --num-layers 4 --json tbo_gpu.json
 
@@ -20,6 +22,8 @@ import torch
 
 from moeserve.config import engine_config_for
 from moeserve.core import ForwardMode, SamplingParams, ScheduleBatch, ScheduledSeq
+from moeserve.executor import overlap
+from moeserve.executor.cuda_graph import CudaGraphRunner
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.planner import preset_config
 from moeserve.scheduler.scheduler import Scheduler
@@ -94,9 +98,18 @@ def main() -> None:
     # greedy generation both ways: overlap for every step of at least 2 tokens, or never
     out_on = [r.output_ids for r in _generate(sched, reqs, prefill, runner, overlap=True)]
     out_off = [r.output_ids for r in _generate(sched, reqs, prefill, runner, overlap=False)]
+    # the same greedy generation with decode under CUDA graphs, captured whole or as two micro-batches
+    graph_out = {}
+    for name, overlap_from in (("overlap", 2), ("whole", None)):
+        runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4, 8], overlap_from) if CUDA else None
+        graph_out[name] = [r.output_ids for r in _generate(sched, reqs, prefill, runner, overlap=False, tag=name)]
+        runner.graph_runner = None
     decode = _decode_batch(sched, args.decode_batch, args.decode_context, model.vocab_size)
     with torch.inference_mode():
         fb = runner.build_batch(decode)
+        whole_logits = runner.model.compute_logits(runner.run_layers(fb)[fb.last_token_index()], fb)
+        halves_diff = {name: float((_halves_logits(runner, decode, hint) - whole_logits).abs().max())
+                       for name, hint in (("launch_sized_as_whole", True), ("launch_sized_as_half", False))}
         old = host_times(lambda: runner.model(fb), args.repeats)
         new = host_times(lambda: runner.run_layers(fb), args.repeats)
         old2 = host_times(lambda: runner.model(fb), args.repeats)
@@ -105,6 +118,8 @@ def main() -> None:
               "peak_activation_mib": {"whole": peak_whole / 2**20, "overlap": peak_two / 2**20},
               "prefill_logits_same_argmax": same_argmax, "prefill_logits_max_abs_diff": max_diff,
               "greedy_identical": out_on == out_off,
+              "greedy_identical_cuda_graphs": graph_out["overlap"] == graph_out["whole"],
+              "decode_halves_logits_max_abs_diff": halves_diff,
               "decode_step_ms": {"layer_loop": {"enqueue": old[0], "wall": old[1]},
                                  "executor": {"enqueue": new[0], "wall": new[1]},
                                  "layer_loop_again": {"enqueue": old2[0], "wall": old2[1]}}}
@@ -121,13 +136,25 @@ def _tiny():
     return ModelConfig.from_dict(_hf_config("v3", False, {}))
 
 
-def _generate(sched: Scheduler, reqs, prefill: ScheduleBatch, runner: ModelRunner, overlap: bool):
+def _generate(sched: Scheduler, reqs, prefill: ScheduleBatch, runner: ModelRunner, overlap: bool, tag: str = ""):
     """The same requests again, greedy, with every step run whole or as two micro-batches."""
-    fresh = [sched.add_request(f"{r.rid}-{overlap}", r.prompt_ids, r.params) for r in reqs]
+    fresh = [sched.add_request(f"{r.rid}-{overlap}{tag}", r.prompt_ids, r.params) for r in reqs]
     runner.tbo_min_tokens = 2 if overlap else 1 << 62
     while not all(r.finished for r in fresh):
         sched.step()
     return fresh
+
+
+def _halves_logits(runner: ModelRunner, decode: ScheduleBatch, sized_as_whole: bool) -> torch.Tensor:
+    """The decode step's logits from two half batches, their kernels' launches sized as the whole
+    batch (as the engine runs them) or as the half."""
+    split = overlap.split_batch(decode, 0.48)
+    batches = (runner.build_batch(split.first), runner.build_batch(split.second))
+    for b in batches:
+        b.launch_batch_size = len(decode.seqs) if sized_as_whole else None
+    hidden = runner.run_layers_two(batches, extend=False)
+    rows = torch.cat([h[b.last_token_index()] for h, b in zip(hidden, batches)])
+    return runner.model.compute_logits(rows, batches[0])
 
 
 def _decode_batch(sched: Scheduler, size: int, context: int, vocab: int) -> ScheduleBatch:

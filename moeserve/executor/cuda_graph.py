@@ -6,6 +6,10 @@ slots, ``kv_indptr``/``kv_indices``); a step copies its batch into them, pads up
 with dummy sequences of one token that read and write the reserved padding slot 0, replays, and
 returns the first rows of the captured logits. Every kernel on the path takes its sizes from
 device tensors, so the same graph serves any context lengths.
+
+With two-batch overlap, buckets of at least ``overlap_from`` sequences are captured as two
+micro-batches of half the bucket each (the decode strategy of ``executor/overlap.py``), sized
+for their kernels' launches as the whole bucket, so they give the rows a whole-bucket graph would.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ PADDING_SLOT = 0  # in page 0, which the page pool never hands out
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
+    def __init__(self, runner: ModelRunner, batch_sizes: list[int], overlap_from: int | None = None) -> None:
         self.runner = runner
         self.batch_sizes = sorted(set(batch_sizes))
+        self.overlap_from = overlap_from  # buckets this large run as two micro-batches (None: none)
         self.max_bs = self.batch_sizes[-1]
         self._init_buffers(runner.device, runner.kv_pool.num_slots + self.max_bs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -49,17 +54,31 @@ class CudaGraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.mode.is_decode and 0 < batch.batch_size <= self.max_bs
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
+    def overlapped(self, bs: int) -> bool:
+        """Whether bucket ``bs`` is captured as two micro-batches."""
+        return self.overlap_from is not None and bs >= max(self.overlap_from, 2)
+
+    def _static_batch(self, lo: int, hi: int, launch: int | None = None) -> ForwardBatch:
+        """Rows ``lo:hi`` of the buffers as a decode batch; a later part's ``kv_indptr`` does not
+        start at 0, which the kernels allow (they read each sequence's bounds)."""
+        n = hi - lo
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], prefix_lens=self.prefix_lens[:bs],
-            extend_lens=self.extend_lens[:bs], kv_indptr=self.kv_indptr[:bs + 1], kv_indices=self.kv_indices,
-            prefix_lens_cpu=[0] * bs, extend_lens_cpu=[1] * bs, kv_pool=self.runner.kv_pool,
+            mode=ForwardMode.DECODE, input_ids=self.input_ids[lo:hi], positions=self.positions[lo:hi],
+            out_cache_loc=self.out_cache_loc[lo:hi], prefix_lens=self.prefix_lens[lo:hi],
+            extend_lens=self.extend_lens[lo:hi], kv_indptr=self.kv_indptr[lo:hi + 1], kv_indices=self.kv_indices,
+            prefix_lens_cpu=[0] * n, extend_lens_cpu=[1] * n, kv_pool=self.runner.kv_pool,
             page_size=self.runner.page_size,  # the padding slot is token 0 of page 0
+            launch_batch_size=launch,
         )
 
-    def _run(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.runner.model.compute_logits(self.runner.run_layers(batch), batch)  # decode: a row a sequence
+    def _run(self, bs: int) -> torch.Tensor:
+        """The logits of bucket ``bs`` (a row a sequence), whole or as two micro-batches."""
+        runner, whole = self.runner, self._static_batch(0, bs)
+        if not self.overlapped(bs):
+            return runner.model.compute_logits(runner.run_layers(whole), whole)
+        half = (bs + 1) // 2  # as ``overlap.split_batch`` halves a decode batch
+        parts = (self._static_batch(0, half, launch=bs), self._static_batch(half, bs, launch=bs))
+        return runner.model.compute_logits(torch.cat(runner.run_layers_two(parts, extend=False)), whole)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -73,16 +92,15 @@ class CudaGraphRunner:
         self.kv_indptr[:bs + 1].copy_(self.steps[:bs + 1])  # every dummy sequence: the padding slot
         self.kv_indices[:bs].fill_(PADDING_SLOT)
         self.out_cache_loc[:bs].fill_(PADDING_SLOT)
-        batch = self._static_batch(bs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile kernels and warm up libraries outside the capture
             for _ in range(2):
-                self._run(batch)
+                self._run(bs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[bs] = self._run(batch)
+            self.logits[bs] = self._run(bs)
         self.graphs[bs] = graph
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:

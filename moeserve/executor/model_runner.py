@@ -127,7 +127,10 @@ class ModelRunner:
             return None
         if cfg.eplb.recorder_mode == "per_token":  # its token streams are kept per step, outside a graph
             return None
-        return CudaGraphRunner(self, cfg.runner.graph_batch_sizes(cfg.scheduler.max_running_requests))
+        # the recorder's ``valid`` counts a bucket's first rows: one pass, not two micro-batches
+        overlap_from = (self.tbo_min_tokens if cfg.runner.enable_two_batch_overlap and self.moe_options.recorder is None
+                        else None)
+        return CudaGraphRunner(self, cfg.runner.graph_batch_sizes(cfg.scheduler.max_running_requests), overlap_from)
 
     def _kv_budget_bytes(self) -> int:
         cache_cfg = self.config.cache
@@ -207,7 +210,8 @@ class ModelRunner:
     # ---- two-batch overlap ----------------------------------------------------------------------
     def _overlaps(self, sched: ScheduleBatch | None, dp: DPInfo | None, all_logits: bool) -> bool:
         """With several ranks the agreement decided (``dp.halves``); alone, the batch's size does.
-        Decode batches a CUDA graph replays run whole."""
+        A decode batch a CUDA graph replays is not split here: its graph was captured overlapped
+        or not (``CudaGraphRunner``)."""
         runner = self.config.runner
         recorder = self.moe_options.recorder
         if not runner.enable_two_batch_overlap or all_logits or (recorder is not None and recorder.mode == "per_token"):
@@ -226,19 +230,26 @@ class ModelRunner:
         batches = (self.build_batch(split.first), self.build_batch(split.second))
         for b, half in zip(batches, dp.halves if dp is not None else (None, None)):
             b.dp = half
+            b.launch_batch_size = len(sched.seqs) if sched is not None else None
         if self.moe_options.recorder is not None:
             self.moe_options.recorder.valid.fill_(ALL_TOKENS)
         # one strategy on every rank (an idle one too): their collectives must line up
         extend = dp.any_extend if dp is not None else not sched.mode.is_decode
-        strategy = overlap.PREFILL if extend else overlap.DECODE
-        states = (self.model.begin(batches[0]), self.model.begin(batches[1]))
-        overlap.run_overlapped(self.model.operations(strategy.name), states, batches, strategy.delta)
-        rows = [self.model.end(s, b)[b.last_token_index()] for s, b in zip(states, batches)]
+        hidden = self.run_layers_two(batches, extend)
+        rows = [h[b.last_token_index()] for h, b in zip(hidden, batches)]
         if split.cut is not None:  # the cut sequence's first part samples nothing
             rows[0] = torch.cat([rows[0][:split.cut], rows[0][split.cut + 1:]])
         whole = batches[0]
         whole.dp = dp
         return whole, self.model.compute_logits(torch.cat(rows), whole)
+
+    def run_layers_two(self, batches: tuple[ForwardBatch, ForwardBatch], extend: bool) -> tuple[torch.Tensor, ...]:
+        """Two micro-batches through the model's operations, interleaved at their yields by the
+        prefill (``extend``) or decode strategy: each one's hidden states ``[T_i, D]``."""
+        strategy = overlap.PREFILL if extend else overlap.DECODE
+        states = (self.model.begin(batches[0]), self.model.begin(batches[1]))
+        overlap.run_overlapped(self.model.operations(strategy.name), states, batches, strategy.delta)
+        return tuple(self.model.end(s, b) for s, b in zip(states, batches))
 
 
 def _ragged_positions(lens: torch.Tensor, total: int, indptr: torch.Tensor | None,

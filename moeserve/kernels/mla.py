@@ -117,6 +117,7 @@ def mla_decode(
     scale: float,
     *,
     page_size: int | None = None,
+    launch_batch: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA over the paged latent cache; one query token per sequence.
 
@@ -125,12 +126,15 @@ def mla_decode(
     ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``. Returns ``[B, H, L]`` in latent space; a
     sequence with no tokens gets zeros. ``page_size``, when given, promises that the slots lie
     on pages of that size (token ``t`` at ``page * page_size + t % page_size``); the GPU kernel
-    then reads blocks of consecutive rows whole instead of row by row.
+    then reads blocks of consecutive rows whole instead of row by row. ``launch_batch`` sizes the
+    GPU kernel's launch (its split of each context) as for a batch of that many sequences, so a
+    part of a batch gets bitwise the rows the whole would.
     """
     if use_triton(q_latent):
         from moeserve.kernels.triton import mla as triton_mla
 
-        return triton_mla.mla_decode(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, page_size=page_size)
+        return triton_mla.mla_decode(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, page_size=page_size,
+                                     launch_batch=launch_batch)
     return mla_decode_ref(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale)
 
 

@@ -100,7 +100,7 @@ class MLA(nn.Module):
         q_latent = torch.einsum("thn,hnl->thl", inputs.q_nope, w_uk)  # [T, H, L]
         cache = batch.kv_pool.layer(self.layer_id)
         out_latent = mla_decode(q_latent, inputs.q_rope, cache, batch.kv_indptr, batch.kv_indices, self.scale,
-                                page_size=batch.page_size)
+                                page_size=batch.page_size, launch_batch=batch.launch_batch_size)
         return torch.einsum("thl,hvl->thv", out_latent, w_uv)  # [T, H, v]
 
     def _expanded(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:

@@ -62,3 +62,24 @@ def test_greedy_tokens_with_and_without_graphs(tmp_path):
         with LLM(path, device="cuda", dtype="float32", disable_cuda_graph=disable, max_total_tokens=4096) as llm:
             outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_greedy_tokens_with_and_without_two_batch_overlap(tmp_path, graphs):
+    """Decode buckets captured as two micro-batches (or eager steps split in two) give the tokens of
+    whole batches: each half sizes its kernels' launches as the whole batch."""
+    path = make_tiny_model(str(tmp_path / "m"), preset="v3", seed=2, initializer_range=0.1)
+    gen = torch.Generator().manual_seed(2)
+    lens = torch.randint(1, 300, (13,), generator=gen)
+    prompts = [torch.randint(2, 250, (int(n),), generator=gen).tolist() for n in lens]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = []
+    for tbo in (True, False):
+        with LLM(path, device="cuda", dtype="bfloat16", disable_cuda_graph=not graphs, max_total_tokens=8192,
+                 enable_two_batch_overlap=tbo, tbo_min_tokens=2) as llm:
+            graph_runner = llm.runner.graph_runner
+            if graphs:
+                assert graph_runner.overlapped(8) == tbo and not graph_runner.overlapped(1)
+            outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outs[0] == outs[1]

@@ -198,6 +198,28 @@ def test_mla_decode_dispatch_and_cuda_graph(heads: int, page_size: int | None) -
 
 
 @gpu
+@pytest.mark.parametrize(("heads", "page_size"), [(128, None), (128, 64), (16, 64)])
+def test_mla_decode_part_of_a_batch_sized_as_the_whole(heads: int, page_size: int | None) -> None:
+    """Told the whole batch's size, each half of a batch (the second with an offset ``kv_indptr``, as
+    a two-batch-overlap micro-batch reads the whole batch's slots) gets bitwise the whole's rows."""
+    from moeserve.kernels.mla import mla_decode
+
+    torch.manual_seed(6)
+    batch, latent, rope = 6, 512, 64
+    lens = [1, 700, 33, 4000, 129, 2048]
+    indptr, indices, num_slots = _scattered_slots(lens, page_size or 16)
+    indptr, indices = indptr.cuda(), indices.cuda()
+    cache = torch.randn(num_slots, latent + rope, device="cuda", dtype=bf16)
+    q_latent = torch.randn(batch, heads, latent, device="cuda", dtype=bf16)
+    q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=bf16)
+    whole = mla_decode(q_latent, q_rope, cache, indptr, indices, 0.07, page_size=page_size)
+    for lo, hi in ((0, 3), (3, 6)):
+        part = mla_decode(q_latent[lo:hi], q_rope[lo:hi], cache, indptr[lo:hi + 1], indices, 0.07,
+                          page_size=page_size, launch_batch=batch)
+        assert torch.equal(part, whole[lo:hi])
+
+
+@gpu
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("config", [{}, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
                                     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 1}])

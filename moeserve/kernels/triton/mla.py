@@ -363,6 +363,7 @@ def mla_decode(
     *,
     page_size: int | None = None,
     config: dict | None = None,
+    launch_batch: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode; the contract of ``moeserve.kernels.mla.mla_decode``.
 
@@ -373,7 +374,8 @@ def mla_decode(
     whole by the copy engine where the tiles allow (``PAGED`` in the config turns that off), and
     on Hopper, with pages of a multiple of 64 slots, the warp-specialised Gluon kernel of
     ``mla_hopper`` runs (heads in blocks of 64, padded; ``HOPPER_WS=False`` turns that off and
-    takes the Triton kernels' defaults). ``config`` overrides ``decode_config``.
+    takes the Triton kernels' defaults). ``config`` overrides ``decode_config``; ``launch_batch``
+    (default B) is the batch ``decode_config`` sizes the splits for.
     """
     _check_decode_inputs(q_latent, q_rope, kv_cache, kv_indptr, kv_indices)
     _check_scale(scale)
@@ -383,8 +385,8 @@ def mla_decode(
     row_bytes = kv_cache.shape[1] * kv_cache.element_size()
     wants_hopper = (config or {}).get("HOPPER_WS", True)
     hopper_kernel = wants_hopper and mla_hopper.decode_supported(q_latent, kv_cache, page_size)
-    cfg = _merge_config(decode_config(batch, num_heads, row_bytes, q_latent.device, page_size, hopper_kernel),
-                        config, DECODE_CONFIG_KEYS)
+    default = decode_config(launch_batch or batch, num_heads, row_bytes, q_latent.device, page_size, hopper_kernel)
+    cfg = _merge_config(default, config, DECODE_CONFIG_KEYS)
     out = q_latent.new_empty(batch, num_heads, latent_dim)
     if batch == 0 or num_heads == 0:
         return out
