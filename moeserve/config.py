@@ -230,6 +230,9 @@ class CacheConfig:
     max_total_tokens: int | None = flag(None, "KV cache size in tokens (default: sized from the memory budget)")
     mem_fraction_static: float = flag(0.88, "share of device memory for weights + KV cache (CUDA)")
     cpu_kv_cache_gb: float = flag(1.0, "KV cache budget on the CPU, where there is no device memory to measure")
+    disable_radix_cache: bool = flag(False, "do not share the KV of common prompt prefixes between requests (the "
+                                            "prefix cache is on for monolithic and prefill servers, off on decode "
+                                            "servers, which receive their KV)")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -287,7 +290,10 @@ class ParallelConfig:
     dist_secret_file: str | None = flag(None, "with --nnodes > 1: a file holding the same secret (>= 16 bytes) "
                                               "on every node; the request channel between nodes authenticates "
                                               "and encrypts with keys derived from it")
-    load_balance_method: str = flag("round_robin", choices=("round_robin", "shortest_queue"))
+    load_balance_method: str = flag("round_robin", "how the API process picks a request's DP group: in turn, "
+                                    "the fewest outstanding tokens, or cache_aware: the group that was sent the "
+                                    "longest prefix of its prompt unless the load is imbalanced",
+                                    choices=("round_robin", "shortest_queue", "cache_aware"))
 
     def __post_init__(self) -> None:
         n = self.tp_size
@@ -308,8 +314,8 @@ class ParallelConfig:
                  "is required with nnodes > 1 (host:port of node 0)")
         _require(self.nnodes == 1 or self.dist_secret_file is not None, "dist_secret_file",
                  "is required with nnodes > 1 (a file with the same secret on every node)")
-        _require(self.load_balance_method in ("round_robin", "shortest_queue"), "load_balance_method",
-                 "must be round_robin or shortest_queue")
+        _require(self.load_balance_method in ("round_robin", "shortest_queue", "cache_aware"), "load_balance_method",
+                 "must be round_robin, shortest_queue or cache_aware")
 
     @property
     def world_size(self) -> int:

@@ -173,6 +173,11 @@ class Req:
     # when it joined the prefill queue, for ``--queue-timeout``; None once its prefill has started
     queued_at: float | None = None
     bootstrap: BootstrapInfo | None = None  # set on both servers of a disaggregated request
+    # the prefix cache: ``page_table[:shared_pages]`` are its pages, pinned through the node it
+    # locked for this request (``prefix_node``); ``cached_tokens`` of the prompt came from it
+    prefix_node: Any = None
+    shared_pages: int = 0
+    cached_tokens: int = 0
 
     @property
     def fill_ids(self) -> list[int]:

@@ -31,6 +31,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class LLM:
@@ -165,4 +166,5 @@ def _output(req: Req) -> RequestOutput:
         prompt_token_ids=req.prompt_ids, text=req.text, token_ids=list(req.output_ids),
         finish_reason=req.finish_reason.value,
         logprobs=req.output_logprobs if req.params.logprobs is not None else None,
+        cached_tokens=req.cached_tokens,
     )

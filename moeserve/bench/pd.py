@@ -81,7 +81,8 @@ def format_side_by_side(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_side_by_side(path: str, results: dict[str, dict[str, Any]]) -> None:
+def plot_side_by_side(path: str, results: dict[str, dict[str, Any]],
+                      title: str = "monolithic vs prefill/decode disaggregation, same workload") -> None:
     """TTFT and ITL percentiles of both setups, grouped bars, as a PNG."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -97,5 +98,5 @@ def plot_side_by_side(path: str, results: dict[str, dict[str, Any]]) -> None:
         ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(stats))], stats)
         ax.set(title=METRICS[metric], ylabel="ms")
         ax.legend()
-    fig.suptitle("monolithic vs prefill/decode disaggregation, same workload")
+    fig.suptitle(title)
     fig.savefig(path, dpi=120)

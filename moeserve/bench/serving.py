@@ -4,6 +4,11 @@ Like SGLang's ``bench_serving`` and vLLM's ``benchmark_serving``: random token-i
 as a seeded Poisson process, each is streamed from ``/v1/completions``, and time to first token
 (TTFT), inter-token latency (ITL) and end-to-end latency (E2E) are summarised in milliseconds.
 Only this client is measured; the server may be moeserve or any engine speaking the same API.
+
+Datasets: ``random``; ``mixed`` (some long prompts that arrive while the others decode); and
+``generated-shared-prefix`` (groups of prompts that share a system prefix, interleaved), for prefix
+caching, whose effect shows as the prompt tokens the server reports cached
+(``usage.prompt_tokens_details.cached_tokens``).
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-__all__ = ["add_serving_args", "add_workload_args", "arrival_offsets", "latency_stats", "percentile", "run_serving_benchmark",
-           "sample_random_requests"]
+__all__ = ["add_serving_args", "add_workload_args", "arrival_offsets", "latency_stats", "percentile",
+           "run_serving_benchmark", "sample_random_requests", "sample_shared_prefix_requests"]
 
-DATASETS = ("random", "mixed")
+SHARED_PREFIX = "generated-shared-prefix"
+DATASETS = ("random", "mixed", SHARED_PREFIX)
 FALLBACK_VOCAB_SIZE = 256
 MIN_TOKEN_ID = 10  # low ids are usually special tokens (BOS/EOS/pad); keep them out of prompts
 STAT_NAMES = ("mean", "median", "p90", "p99", "std")
@@ -53,7 +59,9 @@ def add_serving_args(parser: argparse.ArgumentParser) -> None:
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The flags that say what load to send (every ``bench serving`` flag but where to)."""
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=100,
+                   help=f"requests to send (ignored by --dataset {SHARED_PREFIX}, which sends groups x prompts "
+                        "per group, as SGLang's does)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrival rate in requests/s (default inf: send all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
@@ -67,6 +75,14 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-long-input-len", type=int, default=None,
                    help="--dataset mixed: their prompt length (default 8 x --random-input-len); they ask for "
                         "4 tokens, so they are nearly all prefill, arriving among requests that decode")
+    p.add_argument("--gsp-num-groups", type=int, default=8,
+                   help=f"--dataset {SHARED_PREFIX}: groups, each with its own shared system prefix")
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16, help=f"--dataset {SHARED_PREFIX}")
+    p.add_argument("--gsp-system-prompt-len", type=int, default=2048,
+                   help=f"--dataset {SHARED_PREFIX}: the prefix every prompt of a group shares, in tokens")
+    p.add_argument("--gsp-question-len", type=int, default=128,
+                   help=f"--dataset {SHARED_PREFIX}: each prompt's own tokens after the prefix")
+    p.add_argument("--gsp-output-len", type=int, default=256, help=f"--dataset {SHARED_PREFIX}: max_tokens")
     p.add_argument("--seed", type=int, default=1, help="seeds the prompts and the arrival times")
     p.add_argument("--output-json", default=None, help="write summary and per-request records here")
     p.add_argument("--plot", default=None, help="save latency distributions to this PNG")
@@ -89,6 +105,11 @@ class ServingBenchConfig:
     random_range_ratio: float
     mixed_long_fraction: float
     mixed_long_input_len: int | None
+    gsp_num_groups: int
+    gsp_prompts_per_group: int
+    gsp_system_prompt_len: int
+    gsp_question_len: int
+    gsp_output_len: int
     seed: int
     output_json: str | None
     plot: str | None
@@ -105,6 +126,9 @@ class ServingBenchConfig:
             "random_range_ratio must be in [0, 1]": 0.0 <= self.random_range_ratio <= 1.0,
             "mixed_long_fraction must be in [0, 1]": 0.0 <= self.mixed_long_fraction <= 1.0,
             "mixed_long_input_len must be >= 1": self.mixed_long_input_len is None or self.mixed_long_input_len >= 1,
+            **{f"{name} must be >= 1": getattr(self, name) >= 1
+               for name in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len",
+                            "gsp_output_len")},
         }
         for message, ok in checks.items():
             if not ok:
@@ -116,11 +140,20 @@ class ServingBenchConfig:
         values["base_url"] = values["base_url"].rstrip("/")
         return cls(**values)
 
+    @property
+    def num_requests(self) -> int:
+        """How many requests the run sends: ``num_prompts``, but every prompt of every group for the
+        shared-prefix dataset, which ignores ``num_prompts`` (as SGLang's does)."""
+        if self.dataset == SHARED_PREFIX:
+            return self.gsp_num_groups * self.gsp_prompts_per_group
+        return self.num_prompts
+
     def to_json(self, model: str) -> dict[str, Any]:
         """Settings for the report: the resolved model, no API key, and strict JSON (inf rate -> null)."""
         out = dataclasses.asdict(self)
         del out["api_key"]
         out["model"] = model
+        out["num_requests"] = self.num_requests
         out["request_rate"] = None if math.isinf(self.request_rate) else self.request_rate
         return out
 
@@ -145,10 +178,11 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     start: float = 0.0  # when it was sent, from the start of the benchmark
+    cached_tokens: int | None = None  # prompt tokens the server says it had cached; None: not reported
 
     def to_json(self, index: int) -> dict[str, Any]:
         return {"index": index, "success": self.success, "error": self.error,
-                "prompt_len": self.prompt_len, "output_len": self.output_len,
+                "prompt_len": self.prompt_len, "output_len": self.output_len, "cached_tokens": self.cached_tokens,
                 "start_s": self.start, "ttft_ms": 1e3 * self.ttft,
                 "itl_ms": [1e3 * x for x in self.itl], "e2e_latency_ms": 1e3 * self.latency}
 
@@ -181,6 +215,33 @@ def sample_mixed_requests(cfg: ServingBenchConfig, vocab_size: int, rng: random.
         if rng.random() < cfg.mixed_long_fraction:
             reqs[i] = BenchRequest(rng.choices(ids, k=long_len), MIXED_LONG_OUTPUT_LEN)
     return reqs
+
+
+def sample_shared_prefix_requests(num_groups: int, prompts_per_group: int, system_prompt_len: int,
+                                  question_len: int, output_len: int, vocab_size: int,
+                                  rng: random.Random) -> list[BenchRequest]:
+    """``num_groups`` random system prefixes, each followed by ``prompts_per_group`` random questions;
+    ids uniform in [MIN_TOKEN_ID, vocab_size), lengths fixed. The groups are shuffled together, so a
+    server sees them interleaved rather than one group after the other."""
+    ids = range(MIN_TOKEN_ID, vocab_size)
+    reqs = []
+    for _ in range(num_groups):
+        prefix = rng.choices(ids, k=system_prompt_len)
+        reqs += [BenchRequest(prefix + rng.choices(ids, k=question_len), output_len)
+                 for _ in range(prompts_per_group)]
+    rng.shuffle(reqs)
+    return reqs
+
+
+def sample_requests(cfg: ServingBenchConfig, vocab_size: int, rng: random.Random) -> list[BenchRequest]:
+    """The prompts of ``cfg.dataset``, in the order they are sent."""
+    if cfg.dataset == "mixed":
+        return sample_mixed_requests(cfg, vocab_size, rng)
+    if cfg.dataset == SHARED_PREFIX:
+        return sample_shared_prefix_requests(cfg.gsp_num_groups, cfg.gsp_prompts_per_group, cfg.gsp_system_prompt_len,
+                                             cfg.gsp_question_len, cfg.gsp_output_len, vocab_size, rng)
+    return sample_random_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len,
+                                  cfg.random_range_ratio, vocab_size, rng)
 
 
 def arrival_offsets(num_requests: int, rate: float, rng: random.Random) -> list[float]:
@@ -245,6 +306,14 @@ def _has_content(chunk: dict[str, Any]) -> bool:
     return False
 
 
+def _cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``; None where the server leaves it out
+    (servers report it only when asked to, e.g. SGLang's ``--enable-cache-report``)."""
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return None if cached is None else int(cached)
+
+
 async def _read_stream(resp: httpx.Response, result: RequestResult, sent: float) -> None:
     """Time the content chunks of one SSE stream into ``result``."""
     last, n_chunks, usage = sent, 0, None
@@ -269,6 +338,7 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, sent: float)
         last, n_chunks = now, n_chunks + 1
     # A chunk may carry several tokens; the server's own count is exact when it sends one.
     result.output_len = int((usage or {}).get("completion_tokens", n_chunks))
+    result.cached_tokens = _cached_tokens(usage)
     result.success = n_chunks > 0
     result.error = "" if result.success else "stream ended without any output"
 
@@ -325,15 +395,12 @@ async def _benchmark(cfg: ServingBenchConfig) -> tuple[str, list[RequestResult],
     """Resolve the model and vocabulary, build the prompts, run them; returns (model, results, duration)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     # Enough connections for every request that may be in flight, so none queues inside httpx.
-    in_flight = cfg.max_concurrency or cfg.num_prompts
+    in_flight = cfg.max_concurrency or cfg.num_requests
     limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=_TIMEOUT) as client:
         model = cfg.model or await fetch_model_id(client, cfg.base_url)
         vocab_size = await fetch_vocab_size(client, cfg.base_url)
-        rng = random.Random(cfg.seed)
-        requests = (sample_mixed_requests(cfg, vocab_size, rng) if cfg.dataset == "mixed" else
-                    sample_random_requests(cfg.num_prompts, cfg.random_input_len, cfg.random_output_len,
-                                           cfg.random_range_ratio, vocab_size, rng))
+        requests = sample_requests(cfg, vocab_size, random.Random(cfg.seed))
         results, duration = await _run_requests(client, cfg, model, requests)
     return model, results, duration
 
@@ -341,6 +408,9 @@ async def _benchmark(cfg: ServingBenchConfig) -> tuple[str, list[RequestResult],
 def run_serving_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark that ``args`` (from :func:`add_serving_args`) describe; returns the summary."""
     cfg = ServingBenchConfig.from_args(args)
+    if cfg.num_requests != cfg.num_prompts:
+        print(f"note: --dataset {cfg.dataset} sends {cfg.num_requests} requests ({cfg.gsp_num_groups} groups x "
+              f"{cfg.gsp_prompts_per_group}); --num-prompts {cfg.num_prompts} is ignored", file=sys.stderr)
     model, results, duration = asyncio.run(_benchmark(cfg))
     summary = summarize(results, duration)
     print(format_table(summary, title=_title(cfg, model)))
@@ -382,13 +452,19 @@ def _latency_series(results: Sequence[RequestResult]) -> dict[str, list[float]]:
 
 
 def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, Any]:
-    """Counts, throughputs (per second of ``duration``) and latency stats as ``{stat}_{metric}_ms``."""
+    """Counts, throughputs (per second of ``duration``) and latency stats as ``{stat}_{metric}_ms``.
+
+    Cached tokens count as 0 in requests whose server did not report them; both cache figures are
+    None when no successful request reported them."""
     ok = [r for r in results if r.success]
     n_in, n_out = sum(r.prompt_len for r in ok), sum(r.output_len for r in ok)
+    reported = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    n_cached = sum(reported) if reported else None
     seconds = max(duration, 1e-9)
     summary: dict[str, Any] = {
         "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "total_cached_tokens": n_cached, "cache_hit_rate": None if n_cached is None else n_cached / n_in,
         "request_throughput": len(ok) / seconds, "input_throughput": n_in / seconds,
         "output_throughput": n_out / seconds, "total_token_throughput": (n_in + n_out) / seconds,
         # Average requests in flight (Little's law), to check the offered load was what was meant.
@@ -405,7 +481,9 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, An
 _TABLE_ROWS = (
     ("Successful requests", "completed", "d"), ("Failed requests", "failed", "d"),
     ("Benchmark duration (s)", "duration_s", ".2f"), ("Total input tokens", "total_input_tokens", "d"),
-    ("Total output tokens", "total_output_tokens", "d"), ("Request throughput (req/s)", "request_throughput", ".2f"),
+    ("Total output tokens", "total_output_tokens", "d"), ("Cached input tokens", "total_cached_tokens", "d"),
+    ("Cache hit rate (cached / input tokens)", "cache_hit_rate", ".2%"),
+    ("Request throughput (req/s)", "request_throughput", ".2f"),
     ("Input token throughput (tok/s)", "input_throughput", ".2f"),
     ("Output token throughput (tok/s)", "output_throughput", ".2f"),
     ("Total token throughput (tok/s)", "total_token_throughput", ".2f"), ("Concurrency", "concurrency", ".2f"),
@@ -415,20 +493,31 @@ _METRIC_LABELS = {"ttft": "TTFT", "itl": "ITL", "e2e_latency": "E2E"}
 
 def _title(cfg: ServingBenchConfig, model: str) -> str:
     concurrency = cfg.max_concurrency or "unlimited"
-    return (f"{model}: {cfg.num_prompts} prompts, rate {cfg.request_rate:g} req/s, max concurrency "
-            f"{concurrency}, input {cfg.random_input_len} / output {cfg.random_output_len} tokens "
-            f"(range ratio {cfg.random_range_ratio:g})")
+    if cfg.dataset == SHARED_PREFIX:
+        lengths = (f"{cfg.gsp_num_groups} groups x {cfg.gsp_prompts_per_group} prompts, input "
+                   f"{cfg.gsp_system_prompt_len} shared + {cfg.gsp_question_len} own / output "
+                   f"{cfg.gsp_output_len} tokens")
+    else:
+        lengths = (f"input {cfg.random_input_len} / output {cfg.random_output_len} tokens "
+                   f"(range ratio {cfg.random_range_ratio:g})")
+    return (f"{model}: {cfg.num_requests} prompts, rate {cfg.request_rate:g} req/s, max concurrency "
+            f"{concurrency}, {lengths}")
+
+
+def _cell(value: float | None, width: int, fmt: str) -> str:
+    """``value`` right-aligned in ``width`` columns; ``-`` for a figure there is none of."""
+    return "-".rjust(width) if value is None else f"{value:>{width}{fmt}}"
 
 
 def format_table(summary: dict[str, Any], title: str) -> str:
     """The summary as aligned text: counts and throughputs, then one row of stats per latency metric."""
     width = 60  # a 10-wide label and five 10-wide stat columns
     lines = [" Serving Benchmark Result ".center(width, "="), textwrap.fill(title, width)]
-    lines += [f"{label + ':':<44}{summary[key]:>16{fmt}}" for label, key, fmt in _TABLE_ROWS]
+    lines += [f"{label + ':':<44}{_cell(summary[key], 16, fmt)}" for label, key, fmt in _TABLE_ROWS]
     lines += ["-" * width, f"{'(ms)':<10}" + "".join(f"{s:>10}" for s in STAT_NAMES)]
     for metric, label in _METRIC_LABELS.items():
         cells = (summary[f"{stat}_{metric}_ms"] for stat in STAT_NAMES)
-        lines.append(f"{label:<10}" + "".join("-".rjust(10) if v is None else f"{v:>10.2f}" for v in cells))
+        lines.append(f"{label:<10}" + "".join(_cell(v, 10, ".2f") for v in cells))
     lines.append("=" * width)
     return "\n".join(lines)
 

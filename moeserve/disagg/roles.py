@@ -188,6 +188,7 @@ class PrefillRole(Role):
 
 class DecodeRole(Role):
     name = "decode"
+    caches_prefixes = False  # its KV arrives from the prefill side
 
     def __init__(self, manager: KVManager, aux_slots: int) -> None:
         self.manager = manager

@@ -245,7 +245,8 @@ class EngineLoop:
 
     def _delta(self, req: Req) -> TokenOutput:
         sent = self._sent.get(req.rid, 0)
-        out = TokenOutput(req.rid, req.output_ids[sent:], prompt_len=len(req.prompt_ids))
+        out = TokenOutput(req.rid, req.output_ids[sent:], prompt_len=len(req.prompt_ids),
+                          cached_tokens=req.cached_tokens)
         if req.params.logprobs is not None:
             out.new_logprobs = req.output_logprobs[sent:]
         if req.finished:
@@ -269,7 +270,8 @@ class EngineLoop:
             num_waiting=len(sched.prefill.waiting), pages_used=pages.num_used, pages_total=pages.capacity,
             page_size=pages.page_size, retracted=sched.decode.retracted, generation_steps=self._steps,
             dp_rank=self.groups.dp_rank, rejected_messages=self.codec.rejected, pd_queues=sched.role.stats(),
-            ended_early=dict(sched.ended_early),
+            ended_early=dict(sched.ended_early), pages_cached=pages.num_cached,
+            prefix_prompt_tokens=sched.prefill.prompt_tokens, prefix_hit_tokens=sched.prefill.cached_tokens,
         )
         eplb = self.runner.eplb
         if eplb is not None:

@@ -69,6 +69,7 @@ class TokenOutput(msgspec.Struct, tag="tokens"):
     error: str | None = None
     error_status: int = 400
     prompt_len: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class TokenBatch(msgspec.Struct, tag="batch"):
@@ -95,6 +96,9 @@ class EngineStats(msgspec.Struct, tag="stats"):
     expert_balancedness: float | None = None  # measured mean / max tokens per GPU (the recorder's window)
     expert_rebalances: int = 0
     expert_max_pause_s: float = 0.0  # the longest pause of a rebalance so far
+    pages_cached: int = 0  # pages the prefix cache holds (those no request uses are not in pages_used)
+    prefix_prompt_tokens: int = 0  # prompt tokens of requests that started their prefill
+    prefix_hit_tokens: int = 0  # of those, the tokens the prefix cache held
 
 
 EngineInput = GenerateInput | AbortInput | ShutdownInput | ExpertControlInput

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from moeserve.cache import PagePool
 from moeserve.config import SchedulerConfig
 from moeserve.core import ForwardMode, Req, ReqStatus, ScheduleBatch, ScheduledSeq
+from moeserve.scheduler.requests import release_pages, reuse_prefix
 
 
 class PrefillManager:
@@ -22,6 +23,8 @@ class PrefillManager:
         self.config, self.pages, self.clock = config, pages, clock
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
+        # prompt tokens of requests that started their first prefill, and those the prefix cache held
+        self.prompt_tokens = self.cached_tokens = 0
 
     def __len__(self) -> int:
         return len(self.waiting) + (self.chunked is not None)
@@ -69,6 +72,9 @@ class PrefillManager:
             budget -= seq.end - seq.start
             if req is not self.chunked:
                 self.waiting.remove(req)
+                if req.num_retractions == 0:
+                    self.prompt_tokens += len(req.prompt_ids)
+                    self.cached_tokens += req.cached_tokens
             req.queued_at = None  # its prefill has started: never timed out from here
             self.chunked = None if seq.completes_fill else req
             if self.chunked is not None:
@@ -80,7 +86,15 @@ class PrefillManager:
         return cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else cfg.max_prefill_tokens
 
     def _plan_chunk(self, req: Req, budget: int, reserve: int) -> ScheduledSeq | None:
-        """Take as much of the request's unfilled tokens as the budget and free pages allow."""
+        """Take as much of the request's unfilled tokens as the budget and free pages allow, past
+        the prefix the cache holds for a prefill that starts here."""
+        reuse_prefix(self.pages, req)
+        seq = self._fit_chunk(req, budget, reserve)
+        if seq is None and req.prefix_node is not None and req is not self.chunked:
+            release_pages(self.pages, req)  # it waits on: its pins must not hold back eviction
+        return seq
+
+    def _fit_chunk(self, req: Req, budget: int, reserve: int) -> ScheduledSeq | None:
         start = req.kv_len
         end = start + min(req.seq_len - start, budget)
         if self.config.chunked_prefill_size <= 0:

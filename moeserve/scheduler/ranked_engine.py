@@ -84,6 +84,7 @@ class RankedEngine:
         if out.error is not None:
             raise (ValueError if out.error_status < 500 else RuntimeError)(out.error)
         req.output_ids += out.new_ids
+        req.cached_tokens = out.cached_tokens
         req.output_logprobs += out.new_logprobs
         if out.finish_reason is None:
             return False

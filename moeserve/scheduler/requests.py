@@ -1,4 +1,5 @@
-"""The request table: every live request of a scheduler by id, and the page release they share."""
+"""The request table: every live request of a scheduler by id, and what they do with their pages
+(take a cached prefix, give pages to the prefix cache, give them back)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import itertools
 from collections.abc import Iterator
 
 from moeserve.cache import PagePool
+from moeserve.cache.prefix_cache import PrefixCache
 from moeserve.core import Req
 
 
@@ -39,8 +41,45 @@ class RequestTable:
         return iter(list(self._reqs.values()))
 
 
-def release_pages(pages: PagePool, req: Req) -> None:
-    """Give back every page ``req`` holds; its cache is empty afterwards."""
-    pages.free(req.page_table)
-    req.page_table = []
-    req.kv_len = 0
+def reuse_prefix(pages: PagePool, req: Req) -> None:
+    """At the start of a prefill (nothing cached for ``req`` yet): take the prefix cache's pages of
+    the longest whole-page prefix of its tokens, pinned for it, and start its prefill past them. At
+    least one token is left to compute: the step samples from its logits."""
+    cache = pages.cache
+    if not isinstance(cache, PrefixCache) or req.page_table:
+        return
+    match = cache.match(req.fill_slice(0, req.seq_len - 1))
+    if match.pages:
+        cache.lock(match.node)
+        req.prefix_node, req.shared_pages = match.node, len(match.pages)
+        req.page_table, req.kv_len = list(match.pages), match.num_tokens
+    if req.num_retractions == 0:
+        req.cached_tokens = match.num_tokens
+
+
+def cache_prefix(pages: PagePool, req: Req) -> None:
+    """Give the prefix cache ``req``'s computed whole pages now, while it runs on: where the cache
+    already held a page (a twin request computed it too), ``req`` takes the cache's and frees its
+    own; it pins the longer prefix from here."""
+    cache, n = pages.cache, req.kv_len // pages.page_size
+    if not isinstance(cache, PrefixCache) or n <= req.shared_pages:
+        return
+    node, cached = cache.insert(req.fill_slice(0, n * pages.page_size), req.page_table[:n])
+    cache.lock(node)
+    if req.prefix_node is not None:
+        cache.unlock(req.prefix_node)
+    pages.free([mine for mine, theirs in zip(req.page_table[:n], cached) if mine != theirs])
+    req.page_table[:n] = cached
+    req.prefix_node, req.shared_pages = node, n
+
+
+def release_pages(pages: PagePool, req: Req, cache: bool = False) -> None:
+    """Give back every page ``req`` holds; its cache is empty afterwards. With ``cache`` (a finished
+    request) its computed whole pages go to the prefix cache first; otherwise (aborted, retracted)
+    only its pins on cached pages are dropped."""
+    if cache:
+        cache_prefix(pages, req)
+    if req.prefix_node is not None:
+        pages.cache.unlock(req.prefix_node)
+    pages.free(req.page_table[req.shared_pages:])
+    req.page_table, req.kv_len, req.prefix_node, req.shared_pages = [], 0, None, 0

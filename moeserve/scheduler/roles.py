@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from moeserve.core import Req
+from moeserve.scheduler.requests import cache_prefix
 
 if TYPE_CHECKING:
     from moeserve.scheduler.scheduler import Scheduler
@@ -19,6 +20,7 @@ class Role(ABC):
     """The defaults are the monolithic behaviour except for ``after_prefill``."""
 
     name = "role"
+    caches_prefixes = True  # whether a prefix cache serves this role (a decode server receives its KV)
 
     def bind(self, sched: Scheduler) -> None:
         self.sched = sched
@@ -88,5 +90,6 @@ class MixedRole(Role):
     name = "mixed"
 
     def after_prefill(self, req: Req) -> bool:
+        cache_prefix(self.sched.pages, req)  # requests arriving while it decodes share its prompt
         self.sched.decode.add(req)
         return True

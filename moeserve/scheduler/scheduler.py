@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from moeserve.cache.prefix_cache import PrefixCache
 from moeserve.config import EngineConfig
 from moeserve.core import BootstrapInfo, DPInfo, FinishReason, Req, SamplingParams, ScheduleBatch
 from moeserve.executor.model_runner import ModelRunner
@@ -56,6 +57,10 @@ class Scheduler:
     def _init_role(self, role: Role) -> None:
         self.role = role
         role.bind(self)
+        self.prefix_cache = None
+        if role.caches_prefixes and not self.config.cache.disable_radix_cache:
+            self.prefix_cache = PrefixCache(self.pages)
+            self.pages.attach(self.prefix_cache)
 
     def _init_collectives(self) -> None:
         """One process alone: no peers to agree with. The rank loop replaces these."""
@@ -211,7 +216,7 @@ class Scheduler:
     def finish(self, req: Req, reason: FinishReason, text: str) -> None:
         """End ``req`` with ``reason`` and its final ``text``; its pages are freed."""
         self.decode.release(req)
-        release_pages(self.pages, req)
+        release_pages(self.pages, req, cache=True)
         self.requests.pop(req.rid)
         req.text = text
         req.finish(reason)

@@ -33,6 +33,7 @@ from moeserve.scheduler.io import (
 )
 from moeserve.scheduler.ranks import RankAddresses
 from moeserve.server.metrics import Metrics
+from moeserve.server.prefix_routing import CacheAwareRouter
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class Chunk:
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -99,8 +101,9 @@ class EngineClient:
     """Talks to the engine ranks over authenticated ZMQ sockets this process binds: one PUSH per
     data-parallel group (its leader pulls) and one PULL that every leader pushes tokens to.
 
-    It is also the DP controller: each request goes to one DP group, by round robin or to the
-    group with the fewest outstanding tokens (prompt + tokens still to generate).
+    It is also the DP controller: each request goes to one DP group, by round robin, to the
+    group with the fewest outstanding tokens (prompt + tokens still to generate), or, with
+    ``cache_aware``, to the group whose prefix cache likely holds its prompt (``prefix_routing``).
     """
 
     def __init__(self, tokenizer: Tokenizer | None, metrics: Metrics, addrs: RankAddresses,
@@ -116,6 +119,9 @@ class EngineClient:
         self.load_balance_method = load_balance_method
         self.route_by_room = route_by_room  # a prefill server: the room picks the DP group, as the decode side assumes
         self._next_dp = 0
+        self._prefix_router = None  # with one DP group there is nothing to choose, so no tree to keep
+        if load_balance_method == "cache_aware" and len(self._to_engine) > 1:
+            self._prefix_router = CacheAwareRouter(len(self._to_engine))
         self._requests: dict[str, _Request] = {}
         self.queued = 0  # admitted requests without a first token yet (``Ticket``)
         self.stats: dict[int, EngineStats] = {}
@@ -125,21 +131,28 @@ class EngineClient:
         self._controls: dict[int, asyncio.Future[ControlOutput]] = {}  # seq -> its answer
         self._control_seq = itertools.count(1)
 
-    def _pick_dp(self, cost: int, bootstrap: BootstrapInfo | None = None) -> int:
-        """The DP group for a new request costing ``cost`` tokens."""
+    def _pick_dp(self, prompt_ids: list[int], bootstrap: BootstrapInfo | None = None) -> int:
+        """The DP group for a new request with prompt ``prompt_ids``."""
         n = len(self._to_engine)
         if self.route_by_room and bootstrap is not None:
             dp = bootstrap.room % n if bootstrap.prefill_dp_rank is None else bootstrap.prefill_dp_rank
             if dp >= n:
                 raise EngineError(f"prefill_dp_rank {dp} is not in [0, {n})", 400)
             return dp
-        if self.load_balance_method == "shortest_queue":
-            load = [0] * n
-            for req in self._requests.values():
-                load[req.dp] += req.cost - req.num_tokens
-            return min(range(n), key=lambda d: (load[d], d))
-        self._next_dp = (self._next_dp + 1) % n
-        return (self._next_dp - 1) % n
+        if self.load_balance_method == "round_robin":
+            self._next_dp = (self._next_dp + 1) % n
+            return (self._next_dp - 1) % n
+        load = self._outstanding_tokens()
+        if self._prefix_router is not None:
+            return self._prefix_router.pick(prompt_ids, load)
+        return min(range(n), key=lambda d: (load[d], d))
+
+    def _outstanding_tokens(self) -> list[int]:
+        """Per DP group: prompt + tokens still to generate of its requests in flight."""
+        load = [0] * len(self._to_engine)
+        for req in self._requests.values():
+            load[req.dp] += req.cost - req.num_tokens
+        return load
 
     def admit(self, places: int) -> Ticket:
         return Ticket(self, places)
@@ -160,7 +173,7 @@ class EngineClient:
         cost = len(prompt_ids) + params.max_tokens
         try:
             message = self._encode_input(GenerateInput(rid, prompt_ids, params, bootstrap))
-            dp = self._pick_dp(cost, bootstrap)
+            dp = self._pick_dp(prompt_ids, bootstrap)
         except EngineError:
             ticket.done_one()
             raise
@@ -216,7 +229,7 @@ class EngineClient:
         self._record_timing(req, len(out.new_ids), out.finish_reason)
         req.num_tokens += len(out.new_ids)
         text = self._text_delta(req, out)
-        return Chunk(text, out.new_ids, out.new_logprobs, out.finish_reason, out.prompt_len)
+        return Chunk(text, out.new_ids, out.new_logprobs, out.finish_reason, out.prompt_len, out.cached_tokens)
 
     def _text_delta(self, req: _Request, out: TokenOutput) -> str:
         if req.detok is None:

@@ -27,6 +27,14 @@ class Metrics:
         self.num_queued = gauge("moeserve:num_queue_reqs", "requests waiting in the engine queue").labels(**labels)
         self.pages_used = gauge("moeserve:kv_pages_used", "KV cache pages in use").labels(**labels)
         self.pages_total = gauge("moeserve:kv_pages_total", "KV cache pages in all").labels(**labels)
+        self.pages_cached = gauge("moeserve:kv_pages_cached", "KV cache pages the prefix cache holds (those no "
+                                  "request uses are free to evict, not in use)").labels(**labels)
+        self.prefix_hit_tokens = gauge("moeserve:prefix_cache_hit_tokens", "prompt tokens whose KV came from the "
+                                       "prefix cache").labels(**labels)
+        self.prefix_prompt_tokens = gauge("moeserve:prefix_cache_prompt_tokens", "prompt tokens of requests whose "
+                                          "prefill started (the hit rate's denominator)").labels(**labels)
+        self.prefix_hit_rate = gauge("moeserve:prefix_cache_hit_rate", "hit tokens / prompt tokens since the "
+                                     "start").labels(**labels)
         self.prompt_tokens = Counter("moeserve:prompt_tokens", "prompt tokens received", list(labels),
                                      registry=reg).labels(**labels)
         self.generation_tokens = Counter("moeserve:generation_tokens", "tokens generated", list(labels),
@@ -68,6 +76,11 @@ class Metrics:
         self.num_queued.set(sum(s.num_waiting for s in stats))
         self.pages_used.set(sum(s.pages_used for s in stats))
         self.pages_total.set(sum(s.pages_total for s in stats))
+        self.pages_cached.set(sum(s.pages_cached for s in stats))
+        hits, prompts = sum(s.prefix_hit_tokens for s in stats), sum(s.prefix_prompt_tokens for s in stats)
+        self.prefix_hit_tokens.set(hits)
+        self.prefix_prompt_tokens.set(prompts)
+        self.prefix_hit_rate.set(hits / prompts if prompts else 0.0)
         self.engine_rejected_messages.set(sum(s.rejected_messages for s in stats))
         for name in {k for s in stats for k in s.pd_queues}:
             self.pd_queue.labels(**self._labels, queue=name).set(sum(s.pd_queues.get(name, 0) for s in stats))

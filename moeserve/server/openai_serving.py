@@ -36,6 +36,7 @@ class Result:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 def _api_error(message: str) -> Exception:
@@ -130,6 +131,7 @@ def _add(result: Result, chunk: Chunk) -> None:
     result.logprobs += chunk.logprobs
     result.finish_reason = chunk.finish_reason
     result.prompt_tokens = chunk.prompt_tokens
+    result.cached_tokens = chunk.cached_tokens
 
 
 async def run_all(state: ServerState, jobs: list[Job]) -> list[Result]:
@@ -168,10 +170,14 @@ async def merged(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[Job
             task.cancel()
 
 
-def _usage(jobs: list[Job], results: list[Result]) -> dict[str, int]:
-    prompt = sum({j.prompt_index: r.prompt_tokens for j, r in zip(jobs, results)}.values())
+def _usage(jobs: list[Job], results: list[Result]) -> dict[str, Any]:
+    """Token counts as OpenAI reports them: each prompt once however many choices it had, with the
+    part of it the prefix cache held (``prompt_tokens_details.cached_tokens``)."""
+    prompts = {j.prompt_index: r for j, r in zip(jobs, results)}
+    prompt = sum(r.prompt_tokens for r in prompts.values())
     completion = sum(len(r.token_ids) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in prompts.values())}}
 
 
 def _header(kind: str, state: ServerState, prefix: str) -> dict[str, Any]:

@@ -59,10 +59,11 @@ def pd_scheduler(model_path: str, mode: str, backend: str, bootstrap_port: int, 
 
 
 def add_pair(prefill: Scheduler, decode: Scheduler, prompts: list[list[int]], params: SamplingParams,
-             bootstrap_port: int) -> list[Req]:
-    """Every prompt on both schedulers, as the router sends it; the decode side's requests."""
+             bootstrap_port: int, first: int = 0) -> list[Req]:
+    """Every prompt on both schedulers, as the router sends it; the decode side's requests. Rooms
+    and ids are numbered from ``first``."""
     reqs = []
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(prompts, start=first):
         info = BootstrapInfo("127.0.0.1", bootstrap_port, room=1000 + i)
         prefill.add_request(f"p{i}", ids, params, info)
         reqs.append(decode.add_request(f"d{i}", ids, params, info))
@@ -70,9 +71,9 @@ def add_pair(prefill: Scheduler, decode: Scheduler, prompts: list[list[int]], pa
 
 
 def run_pair(prefill: Scheduler, decode: Scheduler, prompts: list[list[int]], params: SamplingParams,
-             bootstrap_port: int, timeout_s: float = 120) -> list[Req]:
+             bootstrap_port: int, timeout_s: float = 120, first: int = 0) -> list[Req]:
     """Every prompt through both schedulers, stepping them in turn until the decode side is done."""
-    reqs = add_pair(prefill, decode, prompts, params, bootstrap_port)
+    reqs = add_pair(prefill, decode, prompts, params, bootstrap_port, first)
     deadline = time.monotonic() + timeout_s
     while not all(r.finished for r in reqs):
         if time.monotonic() > deadline:

@@ -142,3 +142,22 @@ def test_a_decode_server_short_of_pages_retracts_and_recomputes_locally(model_pa
         finally:
             prefill.role.close()
             decode.role.close()
+
+
+def test_prefill_server_shares_prefixes_and_pushes_the_whole_prompt(pair, model_path):
+    """The prefill side's prefix cache serves the second wave's shared prompt; the decode side, which
+    has no cache, still receives every page (the cached ones too) and gives the monolithic tokens."""
+    prefill, decode, port = pair
+    system = _prompts([37], seed=8)[0]
+    waves = [[system + q] for q in _prompts([4], seed=9)] + [[system + q for q in _prompts([2, 6, 5], seed=10)]]
+    with LLM(model_path, disable_radix_cache=True, **ENGINE) as llm:
+        ref = [o.token_ids for wave in waves for o in llm.generate(wave, GREEDY, use_tqdm=False)]
+    reqs = []
+    for wave in waves:
+        reqs += run_pair(prefill, decode, wave, GREEDY, port, first=len(reqs))
+        _settle(prefill, decode)
+    assert [r.output_ids for r in reqs] == ref
+    assert decode.prefix_cache is None and prefill.prefix_cache is not None
+    assert prefill.prefill.cached_tokens == 3 * (37 // ENGINE["page_size"] * ENGINE["page_size"])
+    for sched in (prefill, decode):
+        assert sched.pages.num_used == 0 and sched.num_requests == 0

@@ -128,6 +128,27 @@ def test_models_health_and_metrics(server, client):
     assert metric(server.base_url, "moeserve:time_to_first_token_seconds_count") > 0
 
 
+def test_a_repeated_prefix_is_reported_cached_in_usage_and_metrics(server, client, offline):
+    """The second request of a shared 40-token prefix gets its whole pages from the prefix cache:
+    OpenAI's ``prompt_tokens_details.cached_tokens``, in streamed usage too, and on /metrics."""
+    system = "You are a careful assistant who answers in one short line. " * 3
+    prompts = [system + "Question one?", system + "Another question, longer than that one?"]
+    hits_before = metric(server.base_url, "moeserve:prefix_cache_hit_tokens")
+    first = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=4, temperature=0)
+    second = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=4, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(second)
+    usage = chunks[-1].usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 4 == 0 and cached <= usage.prompt_tokens - 1
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == _greedy(offline, prompts[1:], 4)[0]
+    assert wait_for(lambda: metric(server.base_url, "moeserve:prefix_cache_hit_tokens") >= hits_before + cached)
+    assert 0 < metric(server.base_url, "moeserve:prefix_cache_hit_rate") <= 1
+    assert metric(server.base_url, "moeserve:kv_pages_cached") > 0
+    assert wait_for(lambda: metric(server.base_url, "moeserve:kv_pages_used") == 0)
+
+
 def test_64_concurrent_requests_all_complete_and_pages_return(server):
     async def run():
         client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
