@@ -481,6 +481,40 @@ class RunnerConfig:
         return sorted(set(sizes + [top]))
 
 
+SPECULATIVE_ALGORITHMS = ("NEXTN",)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding with the checkpoint's multi-token-prediction module (SGLang's flags):
+    each decode step verifies ``num_steps`` draft tokens per sequence, chained (top-k 1)."""
+
+    speculative_algorithm: str | None = flag(None, "NEXTN: the checkpoint's MTP module drafts, the model "
+                                                   "verifies (default: off)", choices=SPECULATIVE_ALGORITHMS)
+    speculative_num_steps: int = flag(1, "draft tokens per sequence and step (the MTP module runs this many "
+                                         "times, autoregressively)")
+    speculative_eagle_topk: int = flag(1, "draft branches per step; only 1 (a chain) is supported")
+    speculative_num_draft_tokens: int | None = flag(None, "tokens verified per sequence and step: "
+                                                          "--speculative-num-steps + 1 (the default)")
+
+    def __post_init__(self) -> None:
+        _require(self.speculative_algorithm in (None, *SPECULATIVE_ALGORITHMS), "speculative_algorithm",
+                 f"must be one of {SPECULATIVE_ALGORITHMS}")
+        _require(self.speculative_num_steps >= 1, "speculative_num_steps", "must be >= 1")
+        _require(self.speculative_eagle_topk == 1, "speculative_eagle_topk", "must be 1 (chain drafts only)")
+        _require(self.speculative_num_draft_tokens in (None, self.speculative_num_steps + 1),
+                 "speculative_num_draft_tokens", "must be --speculative-num-steps + 1 (chain drafts)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens per sequence and step (0 when off)."""
+        return self.speculative_num_steps if self.enabled else 0
+
+
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name} {message}")
@@ -496,6 +530,16 @@ class EngineConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     eplb: EplbConfig = field(default_factory=EplbConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        if self.spec.enabled:
+            _require(self.model.num_mtp_layers >= 1, "speculative_algorithm",
+                     "NEXTN needs a checkpoint with an MTP module (num_nextn_predict_layers >= 1)")
+            _require(self.parallel.world_size == 1, "speculative_algorithm",
+                     "NEXTN runs on one rank for now (tp_size 1)")
+            _require(self.disagg.disaggregation_mode == "null", "speculative_algorithm",
+                     "NEXTN is not yet supported with --disaggregation-mode")
 
     @property
     def context_length(self) -> int:
@@ -530,7 +574,7 @@ class ServerConfig:
 
 
 _SECTIONS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-             "runner": RunnerConfig, "disagg": DisaggConfig, "eplb": EplbConfig}
+             "runner": RunnerConfig, "disagg": DisaggConfig, "eplb": EplbConfig, "spec": SpecConfig}
 
 
 def config_flags(classes: tuple[type, ...] | None = None) -> list[tuple[str, type, Any, FlagSpec]]:
@@ -576,4 +620,5 @@ def engine_config_for(model: ModelConfig, model_path: str | None = None, **setti
         cache=CacheConfig(**by_section["cache"]), scheduler=SchedulerConfig(**by_section["scheduler"]),
         parallel=ParallelConfig(**by_section["parallel"]), runner=RunnerConfig(**by_section["runner"]),
         disagg=DisaggConfig(**by_section["disagg"]), eplb=EplbConfig(**by_section["eplb"]),
+        spec=SpecConfig(**by_section["spec"]),
     )

@@ -210,6 +210,9 @@ class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill, possibly a chunk that continues an earlier one
     DECODE = "decode"  # one new token per sequence
     IDLE = "idle"  # no tokens; keeps collectives of a data-parallel rank in step
+    # speculative decoding: each sequence's last token and its drafts, the same count for every
+    # sequence, attending the cache as decode does (absorbed MLA, several queries a sequence)
+    VERIFY = "verify"
 
     @property
     def is_decode(self) -> bool:
@@ -269,6 +272,7 @@ class ForwardBatch:
     # many sequences: a two-batch-overlap micro-batch gives its whole batch's, so that splitting
     # a batch changes no sequence's order of reduction
     launch_batch_size: int | None = None
+    tokens_per_seq: int = 1  # VERIFY: query tokens per sequence (each sequence's last ones)
 
     def dp_info(self) -> DPInfo:
         return self.dp or DPInfo([self.num_tokens], [self.batch_size], "normal")
@@ -297,6 +301,9 @@ class ScheduledSeq:
     req: Req
     start: int
     end: int
+    # the input tokens when they are not ``req.fill_ids[start:end]``: a verify step's drafts, the
+    # MTP module's inputs (each position's next token)
+    tokens: list[int] | None = None
 
     @property
     def completes_fill(self) -> bool:

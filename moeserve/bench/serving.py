@@ -281,6 +281,35 @@ async def fetch_vocab_size(client: httpx.AsyncClient, base_url: str) -> int:
     return vocab_size if vocab_size > MIN_TOKEN_ID else FALLBACK_VOCAB_SIZE
 
 
+SPEC_METRICS = ("moeserve:spec_verify_seqs", "moeserve:spec_emitted_tokens")
+
+
+async def fetch_spec_counts(client: httpx.AsyncClient, base_url: str) -> tuple[float, float] | None:
+    """The server's speculative-decoding counters from ``/metrics`` (a moeserve server's verify steps
+    and the tokens they appended), or None where the server has none."""
+    try:
+        resp = await client.get(f"{base_url}/metrics")
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for line in resp.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in SPEC_METRICS:
+            try:
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                return None
+    return tuple(values[n] for n in SPEC_METRICS) if len(values) == len(SPEC_METRICS) else None
+
+
+def accept_length(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Tokens a request gained per verify step during the run (None without speculative decoding)."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
 # ---------------------------------------------------------------- one request
 
 
@@ -391,8 +420,9 @@ async def _run_requests(client: httpx.AsyncClient, cfg: ServingBenchConfig, mode
     return list(results), duration
 
 
-async def _benchmark(cfg: ServingBenchConfig) -> tuple[str, list[RequestResult], float]:
-    """Resolve the model and vocabulary, build the prompts, run them; returns (model, results, duration)."""
+async def _benchmark(cfg: ServingBenchConfig) -> tuple[str, list[RequestResult], float, float | None]:
+    """Resolve the model and vocabulary, build the prompts, run them; returns (model, results,
+    duration, the server's mean speculative accept length over the run or None)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     # Enough connections for every request that may be in flight, so none queues inside httpx.
     in_flight = cfg.max_concurrency or cfg.num_requests
@@ -401,8 +431,10 @@ async def _benchmark(cfg: ServingBenchConfig) -> tuple[str, list[RequestResult],
         model = cfg.model or await fetch_model_id(client, cfg.base_url)
         vocab_size = await fetch_vocab_size(client, cfg.base_url)
         requests = sample_requests(cfg, vocab_size, random.Random(cfg.seed))
+        before = await fetch_spec_counts(client, cfg.base_url)
         results, duration = await _run_requests(client, cfg, model, requests)
-    return model, results, duration
+        spec = accept_length(before, await fetch_spec_counts(client, cfg.base_url)) if before is not None else None
+    return model, results, duration, spec
 
 
 def run_serving_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -411,8 +443,9 @@ def run_serving_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if cfg.num_requests != cfg.num_prompts:
         print(f"note: --dataset {cfg.dataset} sends {cfg.num_requests} requests ({cfg.gsp_num_groups} groups x "
               f"{cfg.gsp_prompts_per_group}); --num-prompts {cfg.num_prompts} is ignored", file=sys.stderr)
-    model, results, duration = asyncio.run(_benchmark(cfg))
+    model, results, duration, spec_accept_length = asyncio.run(_benchmark(cfg))
     summary = summarize(results, duration)
+    summary["spec_accept_length"] = spec_accept_length
     print(format_table(summary, title=_title(cfg, model)))
     _warn_failures(results)
     if cfg.output_json:
@@ -487,6 +520,7 @@ _TABLE_ROWS = (
     ("Input token throughput (tok/s)", "input_throughput", ".2f"),
     ("Output token throughput (tok/s)", "output_throughput", ".2f"),
     ("Total token throughput (tok/s)", "total_token_throughput", ".2f"), ("Concurrency", "concurrency", ".2f"),
+    ("Mean accept length (speculative)", "spec_accept_length", ".2f"),
 )
 _METRIC_LABELS = {"ttft": "TTFT", "itl": "ITL", "e2e_latency": "E2E"}
 

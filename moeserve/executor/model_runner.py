@@ -13,6 +13,7 @@ from moeserve.core import DPInfo, ForwardBatch, ForwardMode, ScheduleBatch, defa
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.groups import single as single_groups
 from moeserve.eplb import files
+from moeserve.eplb.algorithm import trivial_phy2log
 from moeserve.eplb.manager import EplbManager
 from moeserve.eplb.placement import ExpertPlacement
 from moeserve.eplb.recorder import ALL_TOKENS, ExpertRecorder
@@ -48,7 +49,7 @@ class ModelRunner:
                                             par.max_dispatch_tokens_per_rank, self.config.eplb.ep_dispatch_algorithm,
                                             self._make_recorder())
         with torch.device(self.device), default_dtype(self.dtype):
-            model = DeepseekForCausalLM(cfg, self.groups, moe, fp8=self.fp8_weights)
+            model = DeepseekForCausalLM(cfg, self.groups, moe, fp8=self.fp8_weights, mtp=self.config.spec.enabled)
         if load.load_format == "dummy":
             load_dummy(model, load.seed)
         else:
@@ -66,6 +67,8 @@ class ModelRunner:
                              f"{eplb.ep_num_redundant_experts} redundant) do not divide over {par.ep_world} EP ranks")
         phy2log = files.initial_phy2log(eplb.init_expert_location, cfg.num_layers, num_logical, num_physical,
                                         par.ep_world, max(cfg.n_group, 1), par.nnodes)
+        if self.config.spec.enabled:  # the MTP module's MoE is layer num_layers: a row of its own, never rebalanced
+            phy2log = torch.cat([phy2log, trivial_phy2log(1, num_logical, num_physical)])
         return ExpertPlacement.from_phy2log(phy2log, num_logical, par.ep_world)
 
     def _make_recorder(self) -> ExpertRecorder | None:
@@ -103,13 +106,15 @@ class ModelRunner:
     def _init_kv_cache(self) -> None:
         model_cfg, cache_cfg = self.config.model, self.config.cache
         page_size = cache_cfg.page_size
+        # the MTP module's decoder layer, when it drafts, has a cache layer of its own after the model's
+        layers = model_cfg.num_layers + (1 if self.config.spec.enabled else 0)
         tokens = cache_cfg.max_total_tokens or kv_capacity_tokens(
-            self._kv_budget_bytes(), model_cfg.num_layers, model_cfg.kv_cache_dim, self.dtype)
+            self._kv_budget_bytes(), layers, model_cfg.kv_cache_dim, self.dtype)
         # pages of ``page_size`` slots, + the padding page 0; the scheduler's ``PagePool`` hands them out
         self.num_pages, self.page_size = tokens // page_size + 1, page_size
         if self.num_pages < 2:
             raise ValueError(f"the KV cache needs at least 2 pages, got {self.num_pages}")
-        self.kv_pool = MLAKVPool(model_cfg.num_layers, self.num_pages * page_size, model_cfg.kv_lora_rank,
+        self.kv_pool = MLAKVPool(layers, self.num_pages * page_size, model_cfg.kv_lora_rank,
                                  model_cfg.qk_rope_head_dim, self.dtype, self.device)
         self.max_total_tokens = (self.num_pages - 1) * page_size
         logger.info("KV cache: %d tokens in %d pages of %d", self.max_total_tokens, self.num_pages - 1, page_size)
@@ -126,6 +131,8 @@ class ModelRunner:
         if self.device.type != "cuda" or cfg.runner.disable_cuda_graph or cfg.parallel.world_size > 1:
             return None
         if cfg.eplb.recorder_mode == "per_token":  # its token streams are kept per step, outside a graph
+            return None
+        if cfg.spec.enabled:  # speculative verify and draft steps run eagerly for now
             return None
         # the recorder's ``valid`` counts a bucket's first rows: one pass, not two micro-batches
         overlap_from = (self.tbo_min_tokens if cfg.runner.enable_two_batch_overlap and self.moe_options.recorder is None
@@ -151,7 +158,8 @@ class ModelRunner:
         table = np.concatenate([np.asarray(s.req.page_table[:n], dtype=np.int64) for s, n in zip(seqs, n_pages)]
                                or [np.zeros(0, dtype=np.int64)])
         on_dev = lambda values: torch.tensor(values, dtype=torch.int64, device=dev)
-        input_ids = on_dev([i for s in seqs for i in s.req.fill_slice(s.start, s.end)])
+        input_ids = on_dev([i for s in seqs for i in (s.tokens if s.tokens is not None
+                                                      else s.req.fill_slice(s.start, s.end))])
         starts_d, ends_d, extends_d = on_dev(starts), on_dev(ends), on_dev(extends)
         kv_indptr = torch.cat([ends_d.new_zeros(1), torch.cumsum(ends_d, 0)])
         page_indptr = on_dev([0] + n_pages).cumsum(0)
@@ -206,6 +214,29 @@ class ModelRunner:
         state = self.model.begin(batch)
         overlap.run(self._plain_ops, state, batch)
         return self.model.end(state, batch)
+
+    # ---- speculative decoding ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_with_hidden(self, sched: ScheduleBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over a prefill or a verify batch (eager, whole): fp32 logits of each sequence's
+        last token (``EXTEND``) or of every token (``VERIFY``), and the final-norm hidden state of
+        every token ``[T, D]``, which the MTP module drafts from."""
+        batch = self.build_batch(sched)
+        if sched.mode is ForwardMode.VERIFY:
+            batch.tokens_per_seq = len(sched.seqs[0].tokens)
+        hidden = self.run_layers(batch)  # [T, D]
+        rows = hidden if sched.mode is ForwardMode.VERIFY else hidden[batch.last_token_index()]
+        return self.model.compute_logits(rows, batch), hidden
+
+    @torch.inference_mode()
+    def forward_mtp(self, sched: ScheduleBatch, prev_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP module over ``sched`` (each position's input token is the one after it, in
+        ``ScheduledSeq.tokens``) from the model's hidden states ``prev_hidden [T, D]`` at those
+        positions: fp32 logits of each sequence's last position ``[B, V]`` and its hidden states
+        ``[T, D]`` (the next draft step's ``prev_hidden``)."""
+        batch = self.build_batch(sched)
+        hidden = self.model.mtp(batch, prev_hidden, self.model.model.embed_tokens)
+        return self.model.compute_logits(hidden[batch.last_token_index()], batch), hidden
 
     # ---- two-batch overlap ----------------------------------------------------------------------
     def _overlaps(self, sched: ScheduleBatch | None, dp: DPInfo | None, all_logits: bool) -> bool:

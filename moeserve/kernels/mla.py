@@ -4,10 +4,12 @@
   over the cached prefix plus the new tokens;
 - absorbed (decode): ``W_UK`` is folded into the query, so each query attends straight over the
   paged latent cache (``kv_lora_rank`` latent + ``qk_rope_head_dim`` rope key per token) and the
-  output stays in latent space until ``W_UV`` is applied.
+  output stays in latent space until ``W_UV`` is applied. ``mla_decode`` takes one query token
+  per sequence, ``mla_verify`` (speculative decoding's verification) several: each sequence's
+  last tokens, causal among themselves.
 
-``extend_attention`` and ``mla_decode`` hand CUDA tensors to their Triton twins in
-``kernels/triton/mla.py``; ``extend_attention_ref`` and ``mla_decode_ref`` are the torch versions.
+``extend_attention``, ``mla_decode`` and ``mla_verify`` hand CUDA tensors to their Triton twins in
+``kernels/triton/mla.py``; the ``*_ref`` functions are the torch versions.
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ def sdpa_whole_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_seqs
     """Causal SDPA over ``n_seqs`` equal prompts packed in ``q, k [T, H, Dqk]``, ``v [T, H, Dv]``
     -> ``[T, H, Dv]``; ``backend`` pins torch's kernel (else torch picks)."""
     n_tokens, heads = q.shape[:2]
-    batched = lambda t: t.view(n_seqs, n_tokens // n_seqs, heads, t.shape[-1]).transpose(1, 2)
+
+    def batched(t: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [n_seqs, H, T / n_seqs, D]
+        return t.view(n_seqs, n_tokens // n_seqs, heads, t.shape[-1]).transpose(1, 2)
+
     with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=scale)
     return out.transpose(1, 2).reshape(n_tokens, heads, v.shape[-1])  # [T, H, Dv]
@@ -138,6 +143,38 @@ def mla_decode(
     return mla_decode_ref(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale)
 
 
+def mla_verify(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    q_per_seq: int,
+    *,
+    page_size: int | None = None,
+    launch_batch: int | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA over the paged latent cache; ``Q = q_per_seq`` query tokens per sequence.
+
+    ``q_latent [B*Q, H, L]`` and ``q_rope [B*Q, H, R]`` hold sequence ``b``'s queries in rows
+    ``b*Q .. b*Q + Q - 1``; ``kv_indptr [B + 1]`` and ``kv_indices`` give each sequence's whole
+    context as in ``mla_decode``, the Q new tokens included (their cache rows already written).
+    The queries are the context's last Q tokens, causal: query ``j`` of a sequence of ``n``
+    tokens attends its first ``n - Q + j + 1`` (none, giving zeros, where ``n`` < Q breaks the
+    contract). Returns ``[B*Q, H, L]``. With ``Q = 1`` this is ``mla_decode``, bitwise.
+    ``page_size`` as in ``mla_decode``; ``launch_batch`` counts sequences, as there: the GPU
+    kernel's split of each context is sized for ``launch_batch * Q`` query rows, the programs
+    such a launch has.
+    """
+    if use_triton(q_latent):
+        from moeserve.kernels.triton import mla as triton_mla
+
+        return triton_mla.mla_verify(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, q_per_seq,
+                                     page_size=page_size, launch_batch=launch_batch)
+    return mla_verify_ref(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, q_per_seq)
+
+
 def mla_decode_ref(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
@@ -147,13 +184,32 @@ def mla_decode_ref(
     scale: float,
 ) -> torch.Tensor:
     """Torch version of ``mla_decode``: one sequence at a time, softmax in fp32."""
+    return mla_verify_ref(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, 1)
+
+
+def mla_verify_ref(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    q_per_seq: int,
+) -> torch.Tensor:
+    """Torch version of ``mla_verify``: one query row at a time over its visible prefix, softmax
+    in fp32."""
+    if q_per_seq < 1 or q_latent.shape[0] != (kv_indptr.shape[0] - 1) * q_per_seq:
+        raise ValueError(f"{q_latent.shape[0]} query rows for {kv_indptr.shape[0] - 1} sequences of "
+                         f"{q_per_seq} queries")
     latent_dim = q_latent.shape[-1]
     out = q_latent.new_empty(q_latent.shape)
     bounds = kv_indptr.tolist()
-    for b in range(q_latent.shape[0]):
-        kv = kv_cache[kv_indices[bounds[b]:bounds[b + 1]]]  # [s, L + R]
+    for row in range(q_latent.shape[0]):
+        b, j = divmod(row, q_per_seq)
+        end = max(bounds[b + 1] - (q_per_seq - 1 - j), bounds[b])  # the later queries' tokens are hidden
+        kv = kv_cache[kv_indices[bounds[b]:end]]  # [s, L + R]
         latent, rope = kv[:, :latent_dim], kv[:, latent_dim:]
-        scores = (q_latent[b] @ latent.t() + q_rope[b] @ rope.t()) * scale  # [H, s]
+        scores = (q_latent[row] @ latent.t() + q_rope[row] @ rope.t()) * scale  # [H, s]
         probs = scores.float().softmax(-1).to(latent.dtype)
-        out[b] = probs @ latent
+        out[row] = probs @ latent
     return out

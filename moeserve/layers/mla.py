@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.core import ForwardBatch
+from moeserve.core import ForwardBatch, ForwardMode
 from moeserve.distributed.groups import Group
 from moeserve.distributed.groups import single as single_groups
-from moeserve.kernels.mla import extend_attention, mla_decode
+from moeserve.kernels.mla import extend_attention, mla_decode, mla_verify
 from moeserve.kernels.rope import apply_rope
 from moeserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm
@@ -84,7 +84,7 @@ class MLA(nn.Module):
 
     def core(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
         """Attention of the new tokens over this rank's heads; ``[T, H_local * v_head_dim]``."""
-        if batch.mode.is_decode:
+        if batch.mode.is_decode or batch.mode is ForwardMode.VERIFY:
             out = self._absorbed(inputs, batch)
         else:
             out = self._expanded(inputs, batch)
@@ -99,8 +99,13 @@ class MLA(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         q_latent = torch.einsum("thn,hnl->thl", inputs.q_nope, w_uk)  # [T, H, L]
         cache = batch.kv_pool.layer(self.layer_id)
-        out_latent = mla_decode(q_latent, inputs.q_rope, cache, batch.kv_indptr, batch.kv_indices, self.scale,
-                                page_size=batch.page_size, launch_batch=batch.launch_batch_size)
+        if batch.mode is ForwardMode.VERIFY:
+            out_latent = mla_verify(q_latent, inputs.q_rope, cache, batch.kv_indptr, batch.kv_indices, self.scale,
+                                    batch.tokens_per_seq, page_size=batch.page_size,
+                                    launch_batch=batch.launch_batch_size)
+        else:
+            out_latent = mla_decode(q_latent, inputs.q_rope, cache, batch.kv_indptr, batch.kv_indices, self.scale,
+                                    page_size=batch.page_size, launch_batch=batch.launch_batch_size)
         return torch.einsum("thl,hvl->thv", out_latent, w_uv)  # [T, H, v]
 
     def _expanded(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:

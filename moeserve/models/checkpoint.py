@@ -65,19 +65,21 @@ def list_checkpoint_tensors(model_path: str) -> dict[str, str]:
 
 
 def iter_checkpoint(
-    model_path: str, cfg: ModelConfig, wanted: Callable[[str], bool] = lambda name: True, keep_fp8: bool = False
+    model_path: str, cfg: ModelConfig, wanted: Callable[[str], bool] = lambda name: True, keep_fp8: bool = False,
+    include_mtp: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield ``(name, tensor)`` for each weight of the model, one tensor read at a time.
 
     Only names that ``wanted`` accepts are read (a rank loads what it owns). MTP layers
-    (``model.layers.{i}`` with ``i >= cfg.num_layers``) are skipped. FP8 weights are dequantized to
-    float32 with their ``_scale_inv`` and ``cfg.fp8_block`` (``keep_fp8``: yielded as stored, in a
-    ``QuantizedWeight``); ``_scale_inv`` tensors are never yielded alone. Other tensors keep their
-    stored dtype.
+    (``model.layers.{i}`` with ``i >= cfg.num_layers``) are skipped unless ``include_mtp``. FP8
+    weights are dequantized to float32 with their ``_scale_inv`` and ``cfg.fp8_block``
+    (``keep_fp8``: yielded as stored, in a ``QuantizedWeight``); ``_scale_inv`` tensors are never
+    yielded alone. Other tensors keep their stored dtype.
     """
     files = list_checkpoint_tensors(model_path)
     _check_scales_have_weights(files)
-    names = [n for n in files if not n.endswith(SCALE_SUFFIX) and not _is_mtp(n, cfg) and wanted(n)]
+    names = [n for n in files if not n.endswith(SCALE_SUFFIX) and (include_mtp or not _is_mtp(n, cfg))
+             and wanted(n)]
     for path, group in _group_by_file(names, files).items():
         with safe_open(path, framework="pt") as f:
             for name in group:

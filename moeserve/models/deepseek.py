@@ -3,6 +3,9 @@
 Each decoder layer exposes its forward as a list of operations over a ``LayerState``; plain
 execution runs them in order, and two-batch overlap can interleave two micro-batches over the
 same list. The model never sees the scheduler: everything per step arrives in a ``ForwardBatch``.
+
+``DeepseekMTP`` is DeepSeek-V3's multi-token-prediction (MTP, "NextN") module, which speculative
+decoding runs as its draft model.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from moeserve.distributed.dispatcher import Dispatcher, DispatchOutput
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.groups import single as single_groups
 from moeserve.distributed.layout import TokenLayout
+from moeserve.eplb.placement import ExpertPlacement
 from moeserve.layers.disposable import DisposableTensor, dispose
 from moeserve.layers.embedding import Embedding, LMHead
+from moeserve.layers.linear import Linear, Slot
 from moeserve.layers.mla import MLA, MLAInputs
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import MoE, MoEOptions
@@ -161,22 +166,102 @@ class DeepseekModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
 
 
+class SharedHead(nn.Module):
+    """The MTP module's output head as the checkpoint names it; only its norm is its own: the
+    checkpoint's ``shared_head.head`` repeats the model's LM head, which the module uses."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim, eps)
+
+
+class DeepseekMTP(nn.Module):
+    """DeepSeek-V3's multi-token-prediction module (V3 report §2.2): from the model's final hidden
+    state at position ``i`` and the token at ``i + 1``, a hidden state that predicts token ``i + 2``
+    through the model's LM head.
+
+    One decoder layer whose layer id is ``cfg.num_layers``: the KV-cache layer it reads and writes
+    (the pool has ``num_layers + 1``) and, when it is a MoE layer, its row of the expert placement.
+    The embedding and the LM head are the model's: passed at call time, never held here. The
+    checkpoint keeps every tensor of it under ``model.layers.{num_layers}.``.
+    """
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, moe: MoEOptions, fp8: bool = False) -> None:
+        super().__init__()
+        h, eps, self.layer_id = cfg.hidden_size, cfg.rms_norm_eps, cfg.num_layers
+        if cfg.is_moe_layer(self.layer_id) and moe.placement.num_layers <= self.layer_id:
+            raise ValueError(f"the MTP module's MoE is layer {self.layer_id}: the expert placement needs a row for "
+                             f"it ({self.layer_id + 1} layers), it has {moe.placement.num_layers}")
+        self.layout = TokenLayout(groups)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+        self.enorm = RMSNorm(h, eps)
+        self.hnorm = RMSNorm(h, eps)
+        self.eh_proj = Linear(2 * h, h, fp8=fp8)
+        self.layer = DecoderLayer(cfg, self.layer_id, groups, moe, fp8)
+        self.shared_head = SharedHead(h, eps)
+        # the checkpoint names the decoder layer's tensors under the module's prefix too (the loader
+        # reads ``checkpoint_prefix``)
+        self.checkpoint_prefix = self.layer.checkpoint_prefix = f"model.layers.{self.layer_id}."
+        if self.layer.is_moe:
+            self.layer.mlp.recorder = None  # the drafts' routing is not the served load that EPLB balances
+
+    def checkpoint_slots(self) -> dict[str, list[Slot]]:
+        """The released checkpoint repeats the model's embedding and LM head here: known names,
+        loaded once, as the model's."""
+        return {"embed_tokens.weight": [], "shared_head.head.weight": []}
+
+    def begin(self, batch: ForwardBatch, prev_hidden: torch.Tensor, embed: Embedding) -> LayerState:
+        """``eh_proj([enorm(embed(next token)); hnorm(prev_hidden)])`` for this rank's scattered
+        share of the batch; rope angles for the whole DP batch."""
+        mine = self.layout.my_slice(batch.dp_info())
+        tokens = self.enorm(embed(batch.input_ids[mine]))  # [t, D]
+        hidden = self.eh_proj(torch.cat([tokens, self.hnorm(prev_hidden[mine])], dim=-1))  # [t, 2D] -> [t, D]
+        cos, sin = self.rotary(batch.positions)
+        return LayerState(hidden, cos, sin)
+
+    def end(self, state: LayerState, batch: ForwardBatch) -> torch.Tensor:
+        """The head's norm; returns the DP group's whole batch ``[T_d, D]``."""
+        hidden = self.shared_head.norm(state.hidden, state.residual)[0]
+        return self.layout.gather_attn(hidden, batch.dp_info())
+
+    def operations(self, strategy: str = "plain") -> list[Op | Yield]:
+        """The decoder layer's operations (``DecoderLayer.ops``), between ``begin`` and ``end``."""
+        return self.layer.ops(strategy)
+
+    def forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, embed: Embedding) -> torch.Tensor:
+        """``prev_hidden [T_d, D]``: the model's final-norm hidden state at each of the batch's
+        positions (the DP group's rows, as ``DeepseekForCausalLM.end`` returns them);
+        ``batch.input_ids [T_d]``: the token after each position. Returns the MTP hidden state
+        after ``shared_head.norm`` ``[T_d, D]`` (the DP group's rows, like ``end``)."""
+        state = self.begin(batch, prev_hidden, embed)
+        self.layer(state, batch)
+        return self.end(state, batch)
+
+
 class DeepseekForCausalLM(nn.Module):
     """``fp8=True``: every projection and routed expert holds FP8 weights with 128x128 block
-    scales (embeddings, LM head, router, norms and ``kv_b_proj`` keep the model dtype)."""
+    scales (embeddings, LM head, router, norms and ``kv_b_proj`` keep the model dtype).
+
+    ``mtp=True``: also the checkpoint's first MTP module, as ``self.mtp`` (``DeepseekMTP``); its
+    MoE layer needs a placement of ``num_layers + 1`` layers (the default ``moe`` has one)."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, moe: MoEOptions | None = None,
-                 fp8: bool = False) -> None:
+                 fp8: bool = False, mtp: bool = False) -> None:
         super().__init__()
+        if mtp and cfg.num_mtp_layers < 1:
+            raise ValueError("mtp: the checkpoint has no MTP module (config.json's num_nextn_predict_layers is 0)")
         self.cfg = cfg
         self.groups = groups = groups or single_groups()
         self.layout = TokenLayout(groups)
-        self.model = DeepseekModel(cfg, groups, moe or MoEOptions.single(cfg), fp8)
+        moe = moe or MoEOptions(ExpertPlacement.trivial(cfg.num_layers + int(mtp), max(cfg.n_routed_experts, 1), 1))
+        self.model = DeepseekModel(cfg, groups, moe, fp8)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, groups.lm_head)
         if cfg.tie_word_embeddings:
             if groups.lm_head.size > 1:
                 raise ValueError("tied word embeddings with a vocab-parallel LM head are not supported")
             self.lm_head.weight = self.model.embed_tokens.weight
+        # built after the model's layers, so that they are built (and dummy-filled) as without it
+        self.mtp = DeepseekMTP(cfg, groups, moe, fp8) if mtp else None
 
     def begin(self, batch: ForwardBatch) -> LayerState:
         """Embed this rank's scattered share of the batch; rope angles for the whole DP batch."""
@@ -217,3 +302,8 @@ class DeepseekForCausalLM(nn.Module):
         rows = all_gather_tokens(hidden, dp_group, counts)
         start = sum(counts[:self.groups.dp_rank])
         return self.lm_head(rows)[start:start + hidden.shape[0]]
+
+    def mtp_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The MTP module's hidden states ``[N, D]`` (rows of this DP group) -> fp32 logits
+        ``[N, V]`` through the model's LM head (``compute_logits``): the module has none of its own."""
+        return self.compute_logits(hidden, batch)

@@ -22,7 +22,9 @@ def checkpoint_slots(model: nn.Module) -> dict[str, list[Slot]]:
 
     Modules with a ``checkpoint_slots()`` method (merged or stacked weights) say where their
     checkpoint tensors land; every other parameter takes the tensor of its own name. A name
-    mapped to an empty list is known but not held here (e.g. an expert of another rank).
+    mapped to an empty list is known but not held here (e.g. an expert of another rank). A module
+    with a ``checkpoint_prefix`` is stored under that prefix instead of its path in the model
+    (DeepSeek's MTP module, ``mtp.`` here, is ``model.layers.{N}.`` in the checkpoint).
     """
     slots: dict[str, list[Slot]] = {}
     claimed: set[int] = set()
@@ -35,16 +37,32 @@ def checkpoint_slots(model: nn.Module) -> dict[str, list[Slot]]:
     for name, param in model.named_parameters(remove_duplicate=True):
         if id(param) not in claimed and not name.endswith(_SCALE_SUFFIX):  # scales come with their weight
             slots[name] = [(param, (), ())]
-    return slots
+    return _stored_names(model, slots)
+
+
+def _stored_names(model: nn.Module, slots: dict[str, list[Slot]]) -> dict[str, list[Slot]]:
+    """``slots`` under the checkpoint's names: the path of a module with a ``checkpoint_prefix``
+    replaced by that prefix (the innermost such module's, when they nest)."""
+    renames = sorted(((f"{n}.", m.checkpoint_prefix) for n, m in model.named_modules()
+                      if n and hasattr(m, "checkpoint_prefix")), key=lambda r: len(r[0]), reverse=True)
+    if not renames:
+        return slots
+    stored = {}
+    for name, dests in slots.items():
+        path, prefix = next(((p, c) for p, c in renames if name.startswith(p)), ("", ""))
+        stored[prefix + name[len(path):]] = dests
+    return stored
 
 
 def load_checkpoint(model: nn.Module, model_path: str, cfg: ModelConfig, partial: bool = False) -> None:
     """Copy every tensor of the checkpoint into the model; unknown or missing names are errors.
+    MTP layers the model does not hold (all of them, without its MTP module) are skipped.
     ``partial``: ``model`` holds only some of the checkpoint (a module named like a part of the
     model, e.g. one layer's experts): the others are skipped."""
     slots = checkpoint_slots(model)
+    held = {int(m.group(1)) for n in slots if (m := _LAYER.match(n))}
     names = {n for n in list_checkpoint_tensors(model_path)
-             if not n.endswith(_SCALE_SUFFIX) and not _is_mtp(n, cfg) and (not partial or n in slots)}
+             if not n.endswith(_SCALE_SUFFIX) and not _unheld_mtp(n, cfg, held) and (not partial or n in slots)}
     unknown = sorted(names - slots.keys())
     if unknown:
         raise ValueError(f"checkpoint {model_path!r} has tensors the model does not know: {_few(unknown)}")
@@ -53,7 +71,7 @@ def load_checkpoint(model: nn.Module, model_path: str, cfg: ModelConfig, partial
         raise ValueError(f"checkpoint {model_path!r} lacks tensors the model needs: {_few(missing)}")
     wanted = [n for n in names if slots[n]]
     staged = _fp8_staging(slots)
-    stream = iter_checkpoint(model_path, cfg, wanted=set(wanted).__contains__,
+    stream = iter_checkpoint(model_path, cfg, wanted=set(wanted).__contains__, include_mtp=True,
                              keep_fp8=any(p.dtype == FP8_DTYPE for p in model.parameters()))
     for name, tensor in tqdm(stream, total=len(wanted), desc="loading weights", unit="tensor",
                              leave=False, disable=len(wanted) < 200):
@@ -164,9 +182,11 @@ def _fits(tensor: torch.Tensor | QuantizedWeight, index: tuple) -> bool:
     return all(not isinstance(i, slice) or i.stop is None or i.stop <= n for i, n in zip(index, tensor.shape))
 
 
-def _is_mtp(name: str, cfg: ModelConfig) -> bool:
+def _unheld_mtp(name: str, cfg: ModelConfig, held: set[int]) -> bool:
+    """A tensor of an MTP layer (DeepSeek-V3 ships them after the last layer) that the model does
+    not hold (``held``: the layer numbers of the names it knows)."""
     match = _LAYER.match(name)
-    return match is not None and int(match.group(1)) >= cfg.num_layers
+    return match is not None and int(match.group(1)) >= cfg.num_layers and int(match.group(1)) not in held
 
 
 def _few(names: list[str], limit: int = 5) -> str:

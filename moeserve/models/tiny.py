@@ -79,8 +79,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # Initialisations: "linear" (normal 0.02, quantized in FP8 checkpoints); "router", "embed" and
-# "bias" (normal 0.02, never quantized); "norm" (ones); "correction" (V3's e_score_correction_bias).
+# "bias" (normal 0.02, never quantized); "norm" (ones); "scale" (ones plus normal 0.1: the MTP
+# module's own norms, which a test must tell apart); "correction" (V3's e_score_correction_bias).
 _Spec = tuple[str, tuple[int, ...], str]
+
+# The MTP tensors are drawn from a generator of their own (seeded ``seed + _MTP_SEED``), so that the
+# model's weights are those of the checkpoint without them.
+_MTP_SEED = 0x6D7470
 
 
 def make_tiny_model(
@@ -89,6 +94,7 @@ def make_tiny_model(
     fp8: bool = False,
     seed: int = 0,
     shard_size_mb: float | None = None,
+    mtp: bool = False,
     **overrides: Any,
 ) -> str:
     """Write config.json, generation_config.json, safetensors weights and a tokenizer to ``out_dir``.
@@ -97,16 +103,22 @@ def make_tiny_model(
     ``fp8`` stores decoder-layer linear weights as float8_e4m3fn plus a ``weight_scale_inv``
     exactly like the released DeepSeek-V3; with the same ``seed`` they dequantize to about the
     weights of the non-FP8 checkpoint. ``shard_size_mb`` splits the weights into several files
-    with a ``model.safetensors.index.json``. Returns ``out_dir``.
+    with a ``model.safetensors.index.json``. ``mtp`` adds one multi-token-prediction module as
+    DeepSeek-V3 ships it (``num_nextn_predict_layers: 1``, tensors under
+    ``model.layers.{num_hidden_layers}.``, the embedding and LM head repeated there); the other
+    weights stay those of the checkpoint without it. Returns ``out_dir``.
     """
     hf = _hf_config(preset, fp8, overrides)
+    if mtp:
+        hf["num_nextn_predict_layers"] = 1
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = write_tiny_tokenizer(out_dir)
     hf["bos_token_id"], hf["eos_token_id"] = tokenizer.bos_token_id, tokenizer.eos_token_id
     if hf["vocab_size"] < len(tokenizer):
         raise ValueError(f"vocab_size {hf['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens")
     cfg = ModelConfig.from_dict(hf)
-    tensors = _storage_form(_random_weights(cfg, seed, hf["initializer_range"]), cfg, DTYPES[hf["torch_dtype"]], fp8)
+    tensors = _storage_form(_random_weights(cfg, seed, hf["initializer_range"], mtp), _kinds(cfg, mtp), cfg,
+                            DTYPES[hf["torch_dtype"]], fp8)
     _save_weights(out_dir, tensors, shard_size_mb)
     _write_json(os.path.join(out_dir, "config.json"), hf)
     _write_json(os.path.join(out_dir, "generation_config.json"),
@@ -180,14 +192,23 @@ def _hf_config(preset: str, fp8: bool, overrides: dict[str, Any]) -> dict[str, A
     return hf
 
 
-def _random_weights(cfg: ModelConfig, seed: int, std: float) -> dict[str, torch.Tensor]:
-    """Draw every tensor in fp32, in a fixed order, from one seeded generator; linears get
-    normal(0, ``std``) (config.json's ``initializer_range``)."""
-    gen = torch.Generator().manual_seed(seed)
+def _random_weights(cfg: ModelConfig, seed: int, std: float, mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Draw every tensor in fp32, in a fixed order, from one seeded generator (the MTP module's
+    from a second one); linears get normal(0, ``std``) (config.json's ``initializer_range``)."""
+    tensors = _draw(_weight_specs(cfg), torch.Generator().manual_seed(seed), std)
+    if mtp:
+        tensors.update(_draw(_mtp_specs(cfg), torch.Generator().manual_seed(seed + _MTP_SEED), std))
+        tensors.update({name: tensors[source].clone() for name, source in _mtp_copies(cfg).items()})
+    return tensors
+
+
+def _draw(specs: Iterator[_Spec], gen: torch.Generator, std: float) -> dict[str, torch.Tensor]:
     tensors = {}
-    for name, shape, kind in _weight_specs(cfg):
+    for name, shape, kind in specs:
         if kind == "norm":
             tensors[name] = torch.ones(shape)
+        elif kind == "scale":
+            tensors[name] = 1 + torch.randn(shape, generator=gen) * 0.1
         elif kind == "correction":
             # Comparable to the spread of sigmoid router scores, so it really changes choices.
             tensors[name] = torch.randn(shape, generator=gen) * 0.05
@@ -196,15 +217,23 @@ def _random_weights(cfg: ModelConfig, seed: int, std: float) -> dict[str, torch.
     return tensors
 
 
+def _kinds(cfg: ModelConfig, mtp: bool) -> dict[str, str]:
+    """Each tensor's init kind; the MTP module's copies of the embedding and head are "embed"."""
+    kinds = {name: kind for name, _, kind in _weight_specs(cfg)}
+    if mtp:
+        kinds.update({name: kind for name, _, kind in _mtp_specs(cfg)})
+        kinds.update(dict.fromkeys(_mtp_copies(cfg), "embed"))
+    return kinds
+
+
 def _storage_form(
-    tensors: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype, fp8: bool
+    tensors: dict[str, torch.Tensor], kinds: dict[str, str], cfg: ModelConfig, dtype: torch.dtype, fp8: bool
 ) -> dict[str, torch.Tensor]:
     """Cast to the checkpoint dtype as released checkpoints store them.
 
     FP8: each "linear" weight becomes float8_e4m3fn followed by ``<name>_scale_inv`` (fp32),
     quantized from the fp32 draw. The correction bias stays fp32 (transformers keeps it so).
     """
-    kinds = {name: kind for name, _, kind in _weight_specs(cfg)}
     out = {}
     for name, t in tensors.items():
         if fp8 and kinds[name] == "linear":
@@ -219,17 +248,40 @@ def _weight_specs(cfg: ModelConfig) -> Iterator[_Spec]:
     h, v = cfg.hidden_size, cfg.vocab_size
     yield "model.embed_tokens.weight", (v, h), "embed"
     for i in range(cfg.num_layers):
-        prefix = f"model.layers.{i}."
-        yield prefix + "input_layernorm.weight", (h,), "norm"
-        yield from _attention_specs(cfg, prefix + "self_attn.")
-        yield prefix + "post_attention_layernorm.weight", (h,), "norm"
-        if cfg.is_moe_layer(i):
-            yield from _moe_specs(cfg, prefix + "mlp.")
-        else:
-            yield from _mlp_specs(prefix + "mlp.", h, cfg.intermediate_size)
+        yield from _layer_specs(cfg, i, f"model.layers.{i}.")
     yield "model.norm.weight", (h,), "norm"
     if not cfg.tie_word_embeddings:  # tied heads are not written, as in save_pretrained
         yield "lm_head.weight", (v, h), "embed"
+
+
+def _layer_specs(cfg: ModelConfig, layer: int, prefix: str) -> Iterator[_Spec]:
+    h = cfg.hidden_size
+    yield prefix + "input_layernorm.weight", (h,), "norm"
+    yield from _attention_specs(cfg, prefix + "self_attn.")
+    yield prefix + "post_attention_layernorm.weight", (h,), "norm"
+    if cfg.is_moe_layer(layer):
+        yield from _moe_specs(cfg, prefix + "mlp.")
+    else:
+        yield from _mlp_specs(prefix + "mlp.", h, cfg.intermediate_size)
+
+
+def _mtp_specs(cfg: ModelConfig) -> Iterator[_Spec]:
+    """DeepSeek-V3's MTP module, layer ``num_layers``: its own norms and projection around one
+    decoder layer (the embedding and head it repeats: ``_mtp_copies``)."""
+    h, layer = cfg.hidden_size, cfg.num_layers
+    prefix = f"model.layers.{layer}."
+    yield prefix + "enorm.weight", (h,), "scale"
+    yield prefix + "hnorm.weight", (h,), "scale"
+    yield prefix + "eh_proj.weight", (h, 2 * h), "linear"
+    yield from _layer_specs(cfg, layer, prefix)
+    yield prefix + "shared_head.norm.weight", (h,), "scale"
+
+
+def _mtp_copies(cfg: ModelConfig) -> dict[str, str]:
+    """The MTP module's repeats of the model's embedding and LM head: name -> the model's name."""
+    prefix = f"model.layers.{cfg.num_layers}."
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    return {prefix + "embed_tokens.weight": "model.embed_tokens.weight", prefix + "shared_head.head.weight": head}
 
 
 def _attention_specs(cfg: ModelConfig, p: str) -> Iterator[_Spec]:

@@ -17,6 +17,7 @@ class DecodeManager:
         self.pages, self.prefill = pages, prefill
         self.running: list[Req] = []
         self.retracted = 0  # total retractions, for metrics and tests
+        self.lookahead = 0  # tokens past each request's end whose pages a step takes (speculative drafts)
 
     def __len__(self) -> int:
         return len(self.running)
@@ -44,11 +45,15 @@ class DecodeManager:
             else:
                 raise RuntimeError("the KV cache cannot hold a single request; admission should have refused it")
         for req in self.running:
-            req.page_table += self.pages.alloc(self.pages.pages_for(req.seq_len) - len(req.page_table))
+            req.page_table += self.pages.alloc(max(self._short(req), 0))
         return ScheduleBatch(ForwardMode.DECODE, [ScheduledSeq(r, r.seq_len - 1, r.seq_len) for r in self.running])
 
     def _pages_needed(self) -> int:
-        return sum(self.pages.pages_for(r.seq_len) - len(r.page_table) for r in self.running)
+        return sum(max(self._short(r), 0) for r in self.running)
+
+    def _short(self, req: Req) -> int:
+        """Pages ``req`` lacks for this step."""
+        return self.pages.pages_for(req.seq_len + self.lookahead) - len(req.page_table)
 
     def retract(self, req: Req) -> None:
         """Give a request's pages back and queue it first; it re-prefills later."""

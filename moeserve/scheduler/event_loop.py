@@ -273,6 +273,8 @@ class EngineLoop:
             ended_early=dict(sched.ended_early), pages_cached=pages.num_cached,
             prefix_prompt_tokens=sched.prefill.prompt_tokens, prefix_hit_tokens=sched.prefill.cached_tokens,
         )
+        if sched.spec is not None:
+            stats.spec_verified, stats.spec_emitted = sched.spec.verified, sched.spec.emitted
         eplb = self.runner.eplb
         if eplb is not None:
             stats.expert_balancedness, stats.expert_rebalances = eplb.stats.balancedness, eplb.stats.rebalances

@@ -99,6 +99,8 @@ class EngineStats(msgspec.Struct, tag="stats"):
     pages_cached: int = 0  # pages the prefix cache holds (those no request uses are not in pages_used)
     prefix_prompt_tokens: int = 0  # prompt tokens of requests that started their prefill
     prefix_hit_tokens: int = 0  # of those, the tokens the prefix cache held
+    spec_verified: int = 0  # speculative decoding: (request, verify step) pairs
+    spec_emitted: int = 0  # tokens those steps appended (mean accept length = emitted / verified)
 
 
 EngineInput = GenerateInput | AbortInput | ShutdownInput | ExpertControlInput

@@ -25,6 +25,7 @@ class PrefillManager:
         self.chunked: Req | None = None
         # prompt tokens of requests that started their first prefill, and those the prefix cache held
         self.prompt_tokens = self.cached_tokens = 0
+        self.lookahead = 0  # tokens past the prompt whose pages a completed prefill takes (draft tokens)
 
     def __len__(self) -> int:
         return len(self.waiting) + (self.chunked is not None)
@@ -100,13 +101,17 @@ class PrefillManager:
         if self.config.chunked_prefill_size <= 0:
             end = req.seq_len  # no chunking: the whole prompt or nothing
         free_for_req = self.pages.num_free - reserve
-        needed = self.pages.pages_for(end) - len(req.page_table)
+        needed = self.pages.pages_for(end + (self.lookahead if end == req.seq_len else 0)) - len(req.page_table)
         if needed > free_for_req:
             affordable = (len(req.page_table) + max(free_for_req, 0)) * self.pages.page_size
             if self.config.chunked_prefill_size <= 0 or affordable <= start:
                 return None
             end = min(end, affordable)
+            if end == req.seq_len and self.lookahead:  # completing takes the drafts' pages too: later
+                end -= 1
+            if end <= start:
+                return None
             needed = self.pages.pages_for(end) - len(req.page_table)
-        req.page_table += self.pages.alloc(needed)
+        req.page_table += self.pages.alloc(max(needed, 0))
         req.status = ReqStatus.RUNNING
         return ScheduledSeq(req, start, end)

@@ -18,6 +18,7 @@ from moeserve.scheduler.decode import DecodeManager
 from moeserve.scheduler.prefill import PrefillManager
 from moeserve.scheduler.requests import RequestTable, release_pages
 from moeserve.scheduler.roles import MixedRole, Role
+from moeserve.scheduler.speculative import SpecDecoder
 from moeserve.scheduler.validation import check_request
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,11 @@ class Scheduler:
         self.pages = self.runner.new_page_pool()
         self.prefill = PrefillManager(self.config.scheduler, self.pages)
         self.decode = DecodeManager(self.pages, self.prefill)
+        self.spec: SpecDecoder | None = None
+        if self.config.spec.enabled:
+            self.spec = SpecDecoder(self, self.config.spec.num_drafts)
+            # a verify step writes the drafts' KV, and the next chain's draft steps the MTP layer's
+            self.prefill.lookahead, self.decode.lookahead = self.spec.num_drafts, 2 * self.spec.num_drafts
 
     def _init_role(self, role: Role) -> None:
         self.role = role
@@ -99,6 +105,8 @@ class Scheduler:
             return None
         self.ended_early[self.stage(req)] += 1
         self.prefill.release(req) or self.decode.release(req)
+        if self.spec is not None:
+            self.spec.release(req)
         if not self.role.release(req):
             release_pages(self.pages, req)
         req.finish(FinishReason.ABORT, message)
@@ -132,7 +140,9 @@ class Scheduler:
         batch = self.schedule()
         anyone, dp = self.agree(batch)
         self.ran_forward = anyone
-        if anyone:
+        if anyone and self.spec is not None:
+            changed += self.spec.run(batch)
+        elif anyone:
             logits = self.runner.forward(batch, dp=dp)
             if batch is not None:
                 changed += self.process(batch, logits)

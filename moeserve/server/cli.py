@@ -131,8 +131,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from moeserve.models.tiny import make_tiny_model
 
-    path = make_tiny_model(args.out, preset=args.preset, fp8=args.fp8, seed=args.seed)
-    print(f"wrote a tiny {args.preset}{' fp8' if args.fp8 else ''} checkpoint to {path}")
+    path = make_tiny_model(args.out, preset=args.preset, fp8=args.fp8, seed=args.seed, mtp=args.mtp)
+    print(f"wrote a tiny {args.preset}{' fp8' if args.fp8 else ''}{' MTP' if args.mtp else ''} checkpoint to {path}")
     return 0
 
 
@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--preset", default="v3", choices=["v3", "v2-lite", "v2"])
     tiny.add_argument("--fp8", action="store_true", help="store linear weights as block-scaled FP8")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--mtp", action="store_true",
+                      help="also write a multi-token-prediction module as DeepSeek-V3 ships it (speculative decoding)")
     tiny.set_defaults(func=cmd_make_tiny_model)
     return parser
 

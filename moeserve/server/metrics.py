@@ -33,6 +33,12 @@ class Metrics:
                                        "prefix cache").labels(**labels)
         self.prefix_prompt_tokens = gauge("moeserve:prefix_cache_prompt_tokens", "prompt tokens of requests whose "
                                           "prefill started (the hit rate's denominator)").labels(**labels)
+        self.spec_verified = gauge("moeserve:spec_verify_seqs", "speculative decoding: a request's verify steps, "
+                                   "summed over requests").labels(**labels)
+        self.spec_emitted = gauge("moeserve:spec_emitted_tokens", "tokens those verify steps appended").labels(
+            **labels)
+        self.spec_accept_length = gauge("moeserve:spec_accept_length", "mean tokens a request gains per verify "
+                                        "step (1 + accepted drafts)").labels(**labels)
         self.prefix_hit_rate = gauge("moeserve:prefix_cache_hit_rate", "hit tokens / prompt tokens since the "
                                      "start").labels(**labels)
         self.prompt_tokens = Counter("moeserve:prompt_tokens", "prompt tokens received", list(labels),
@@ -81,6 +87,10 @@ class Metrics:
         self.prefix_hit_tokens.set(hits)
         self.prefix_prompt_tokens.set(prompts)
         self.prefix_hit_rate.set(hits / prompts if prompts else 0.0)
+        verified, emitted = sum(s.spec_verified for s in stats), sum(s.spec_emitted for s in stats)
+        self.spec_verified.set(verified)
+        self.spec_emitted.set(emitted)
+        self.spec_accept_length.set(emitted / verified if verified else 0.0)
         self.engine_rejected_messages.set(sum(s.rejected_messages for s in stats))
         for name in {k for s in stats for k in s.pd_queues}:
             self.pd_queue.labels(**self._labels, queue=name).set(sum(s.pd_queues.get(name, 0) for s in stats))

@@ -1,5 +1,5 @@
-"""Triton MLA attention (absorbed decode over the paged latent cache, varlen prefill) against the
-torch references run in fp64.
+"""Triton MLA attention (absorbed decode and verification over the paged latent cache, varlen
+prefill) against the torch references run in fp64.
 
 The ``check_*`` functions hold the comparisons. GPU tests run them in bf16 on DeepSeek-V3 head
 dims; one CPU test runs them at tiny shapes (latent 32 + rope 16, qk 32 + 16) through Triton's
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.kernels.mla import extend_attention_ref, mla_decode_ref
+from moeserve.kernels.mla import extend_attention_ref, mla_decode_ref, mla_verify_ref
 from tests.kernels.accuracy import REL_TOL, poison_allocator, rel_error
 from tests.kernels.interpreter import interpreted, run_checks
 
@@ -35,22 +35,41 @@ def _scattered_slots(lens: list[int], page_size: int, spare_pages: int = 3) -> t
 
 # --- checks (shared by the GPU tests and the interpreter run) -----------------------------------
 
-def check_mla_decode(device: str, dtype: torch.dtype, heads: int, lens: list[int], latent: int = 32, rope: int = 16,
-                     page_size: int = 4, scale: float = 0.2, index_dtype: torch.dtype = torch.int64,
-                     paged: bool = False, **config) -> None:
-    """Scattered pages, NaN in every slot no sequence holds; ``q_rope`` a strided view of the
-    projected query, as in the layer. ``paged`` tells the kernel the page size (whole blocks
-    through the copy engine where the config allows)."""
-    from moeserve.kernels.triton import mla
-
+def _decode_inputs(device: str, dtype: torch.dtype, heads: int, lens: list[int], latent: int, rope: int,
+                   page_size: int, index_dtype: torch.dtype, q_per_seq: int = 1,
+                   aim: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """``(q_latent, q_rope, kv_cache, kv_indptr, kv_indices)`` with ``q_per_seq`` query rows a
+    sequence: scattered pages, NaN in every slot no sequence holds; ``q_rope`` a strided view of
+    the projected query, as in the layer. ``aim`` adds to each query that many times the key of
+    its own token and of the first token hidden from it: a query that sees one token too few or
+    too many then misses the reference by far."""
     indptr, indices, num_slots = _scattered_slots(lens, page_size)
     cache = torch.randn(num_slots, latent + rope).to(dtype)
     unused = torch.ones(num_slots, dtype=torch.bool)
     unused[indices] = False
     cache[unused] = float("nan")  # page tails and spare pages: must never reach the output
     indptr, indices, cache = indptr.to(device, index_dtype), indices.to(device, index_dtype), cache.to(device)
-    q = torch.randn(len(lens), heads, latent + rope + 8, device=device).to(dtype)
-    q_latent, q_rope = q[..., :latent], q[..., latent + 8:]
+    q = torch.randn(len(lens) * q_per_seq, heads, latent + rope + 8, device=device)
+    if aim:
+        own = torch.tensor([start + n - q_per_seq + j for start, n in zip(indptr.tolist(), lens)
+                            for j in range(q_per_seq)], device=device)
+        hidden = torch.arange(q.shape[0], device=device) % q_per_seq < q_per_seq - 1  # the last query hides none
+        keys = cache[indices[own]].float() + hidden[:, None] * cache[indices[own + hidden]].float()  # [B*Q, L + R]
+        q[..., :latent] += aim * keys[:, None, :latent]
+        q[..., latent + 8:] += aim * keys[:, None, latent:]
+    q = q.to(dtype)
+    return q[..., :latent], q[..., latent + 8:], cache, indptr, indices
+
+
+def check_mla_decode(device: str, dtype: torch.dtype, heads: int, lens: list[int], latent: int = 32, rope: int = 16,
+                     page_size: int = 4, scale: float = 0.2, index_dtype: torch.dtype = torch.int64,
+                     paged: bool = False, **config) -> None:
+    """Inputs from ``_decode_inputs``. ``paged`` tells the kernel the page size (whole blocks
+    through the copy engine where the config allows)."""
+    from moeserve.kernels.triton import mla
+
+    q_latent, q_rope, cache, indptr, indices = _decode_inputs(device, dtype, heads, lens, latent, rope, page_size,
+                                                              index_dtype)
     poison_allocator(device)
     out = mla.mla_decode(q_latent, q_rope, cache, indptr, indices, scale, page_size=page_size if paged else None,
                          config=config or None)
@@ -60,6 +79,57 @@ def check_mla_decode(device: str, dtype: torch.dtype, heads: int, lens: list[int
     empty = torch.tensor(lens, device=device) == 0
     assert torch.isfinite(out).all() and (out[empty] == 0).all(), "an empty sequence must give zeros"
     assert rel_error(out, ref) < REL_TOL[dtype]
+
+
+def check_mla_verify(device: str, dtype: torch.dtype, heads: int, lens: list[int], q_per_seq: int, latent: int = 32,
+                     rope: int = 16, page_size: int = 4, scale: float = 0.2, index_dtype: torch.dtype = torch.int64,
+                     paged: bool = False, aim: float = 1.0, **config) -> None:
+    """``mla_verify`` with ``q_per_seq`` queries a sequence, inputs from ``_decode_inputs`` (each
+    query aimed at its own token and the first hidden one unless ``aim=0``)."""
+    from moeserve.kernels.triton import mla
+
+    q_latent, q_rope, cache, indptr, indices = _decode_inputs(device, dtype, heads, lens, latent, rope, page_size,
+                                                              index_dtype, q_per_seq, aim)
+    poison_allocator(device)
+    out = mla.mla_verify(q_latent, q_rope, cache, indptr, indices, scale, q_per_seq,
+                         page_size=page_size if paged else None, config=config or None)
+    assert out.shape == q_latent.shape and out.dtype == dtype
+    ref = mla_verify_ref(q_latent.double(), q_rope.double(), cache.double(), indptr, indices, scale, q_per_seq)
+    assert torch.isfinite(ref).all()
+    assert rel_error(out, ref) < REL_TOL[dtype]
+
+
+def check_verify_one_query_is_decode(device: str, dtype: torch.dtype, heads: int, lens: list[int],
+                                     page_size: int | None = None, **config) -> None:
+    """One query a sequence is decode, bitwise, whole and as a part sized as the whole batch."""
+    from moeserve.kernels.triton import mla
+
+    q_latent, q_rope, cache, indptr, indices = _decode_inputs(device, dtype, heads, lens, 32, 16, page_size or 16,
+                                                              torch.int64)
+    for rows, launch_batch in ((slice(None), None), (slice(1, None), len(lens))):
+        args = (q_latent[rows], q_rope[rows], cache, indptr[rows.start or 0:], indices, 0.2)
+        options = {"page_size": page_size, "config": config or None, "launch_batch": launch_batch}
+        assert torch.equal(mla.mla_verify(*args, 1, **options), mla.mla_decode(*args, **options))
+
+
+def check_verify_part_of_a_batch(device: str, dtype: torch.dtype, heads: int, lens: list[int], q_per_seq: int,
+                                 latent: int = 32, rope: int = 16, page_size: int | None = None) -> None:
+    """Default launch parameters: the whole batch against the reference, then each part of it
+    (whole sequences, the second with an offset ``kv_indptr``), told the whole batch's size in
+    sequences, gets bitwise the whole's rows."""
+    from moeserve.kernels.triton import mla
+
+    q_latent, q_rope, cache, indptr, indices = _decode_inputs(device, dtype, heads, lens, latent, rope, page_size or 16,
+                                                              torch.int64, q_per_seq, aim=1.0)
+    whole = mla.mla_verify(q_latent, q_rope, cache, indptr, indices, 0.2, q_per_seq, page_size=page_size)
+    ref = mla_verify_ref(q_latent.double(), q_rope.double(), cache.double(), indptr, indices, 0.2, q_per_seq)
+    assert rel_error(whole, ref) < REL_TOL[dtype]
+    half = len(lens) // 2
+    for lo, hi in ((0, half), (half, len(lens))):
+        rows = slice(lo * q_per_seq, hi * q_per_seq)
+        part = mla.mla_verify(q_latent[rows], q_rope[rows], cache, indptr[lo:hi + 1], indices, 0.2, q_per_seq,
+                              page_size=page_size, launch_batch=len(lens))
+        assert torch.equal(part, whole[rows])
 
 
 def check_extend_attention(device: str, dtype: torch.dtype, heads: int, extend_lens: list[int],
@@ -219,6 +289,118 @@ def test_mla_decode_part_of_a_batch_sized_as_the_whole(heads: int, page_size: in
         assert torch.equal(part, whole[lo:hi])
 
 
+def _verify_lens(batch: int, longest: int, q_per_seq: int, seed: int) -> list[int]:
+    """``_random_lens`` for ``q_per_seq`` queries a sequence: none shorter, two of just that length."""
+    lens = [max(n, q_per_seq) for n in _random_lens(batch, longest, seed)]
+    lens[0] = lens[batch // 2] = q_per_seq
+    return lens
+
+
+@gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("q_per_seq", [2, 3])
+@pytest.mark.parametrize("config", [{}, {"num_kv_splits": 1}, {"num_kv_splits": 7},
+                                    {"LAZY_RESCALE": True, "num_kv_splits": 3}, {"BLOCK_H": 16, "BLOCK_N": 16}])
+def test_mla_verify_gpu(heads: int, q_per_seq: int, config: dict) -> None:
+    torch.manual_seed(heads + q_per_seq)
+    lens = _verify_lens(16, 3000, q_per_seq, heads)
+    check_mla_verify("cuda", bf16, heads, lens, q_per_seq, latent=512, rope=64, page_size=64, scale=0.07, **config)
+    check_mla_verify("cuda", bf16, heads, lens, q_per_seq, latent=512, rope=64, page_size=64, scale=0.07, aim=0.0,
+                     **config)
+
+
+@gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("q_per_seq", [2, 3])
+@pytest.mark.parametrize("config", [{}, {"PAGED": True}, {"PAGED": True, "num_kv_splits": 1},
+                                    {"BLOCK_N": 16, "num_kv_splits": 3, "PAGED": True},
+                                    {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "PAGED": True,
+                                     "HOPPER_WS": True}])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_mla_verify_paged_gpu(heads: int, q_per_seq: int, config: dict, page_size: int) -> None:
+    """Whole page blocks through the copy engine, with queries ending mid-page and NaN in the rest
+    of the page; Hopper's tiles asked for explicitly still take the Triton kernels (the Gluon
+    kernel has one query a sequence)."""
+    torch.manual_seed(heads + q_per_seq + page_size)
+    lens = _verify_lens(16, 3000, q_per_seq, heads)
+    lens[1] = page_size + 3
+    check_mla_verify("cuda", bf16, heads, lens, q_per_seq, latent=512, rope=64, page_size=page_size, scale=0.07,
+                     paged=True, **config)
+
+
+@gpu
+def test_mla_verify_is_not_for_the_hopper_kernel() -> None:
+    from moeserve.kernels.triton import mla_hopper
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for Hopper")
+    q, cache = torch.empty(1, 128, 512, device="cuda", dtype=bf16), torch.empty(64, 576, device="cuda", dtype=bf16)
+    assert mla_hopper.decode_supported(q, cache, 64) and mla_hopper.decode_supported(q, cache, 64, q_per_seq=1)
+    assert not mla_hopper.decode_supported(q, cache, 64, q_per_seq=2)
+
+
+@gpu
+@pytest.mark.parametrize(("heads", "page_size"), [(128, None), (128, 64), (16, 64), (16, None)])
+def test_mla_verify_one_query_is_decode_gpu(heads: int, page_size: int | None) -> None:
+    """Through the public functions, the Gluon kernel included where it applies."""
+    from moeserve.kernels.mla import mla_decode, mla_verify
+
+    torch.manual_seed(7)
+    lens = _random_lens(12, 3000, heads)
+    q_latent, q_rope, cache, indptr, indices = _decode_inputs("cuda", bf16, heads, lens, 512, 64, page_size or 16,
+                                                              torch.int64)
+    args = (q_latent, q_rope, cache, indptr, indices, 0.07)
+    assert torch.equal(mla_verify(*args, 1, page_size=page_size), mla_decode(*args, page_size=page_size))
+    part = (q_latent[4:], q_rope[4:], cache, indptr[4:], indices, 0.07)
+    assert torch.equal(mla_verify(*part, 1, page_size=page_size, launch_batch=12),
+                       mla_decode(*part, page_size=page_size, launch_batch=12))
+    check_verify_one_query_is_decode("cuda", bf16, heads, lens, page_size, num_kv_splits=5)
+
+
+@gpu
+@pytest.mark.parametrize(("heads", "page_size"), [(128, None), (128, 64), (16, 64)])
+@pytest.mark.parametrize("q_per_seq", [2, 3])
+def test_mla_verify_part_of_a_batch_sized_as_the_whole(heads: int, page_size: int | None, q_per_seq: int) -> None:
+    torch.manual_seed(8)
+    check_verify_part_of_a_batch("cuda", bf16, heads, [q_per_seq, 700, 33, 4000, 129, 2048], q_per_seq, latent=512,
+                                 rope=64, page_size=page_size)
+
+
+@gpu
+@pytest.mark.parametrize(("heads", "page_size"), [(128, 64), (16, None)])
+def test_mla_verify_dispatch_and_cuda_graph(heads: int, page_size: int | None) -> None:
+    """The public function routes CUDA tensors to Triton, and a captured call replays correctly on
+    new lengths and slots (no host sync inside)."""
+    from moeserve.kernels.mla import mla_verify
+
+    torch.manual_seed(9)
+    batch, q_per_seq, latent, rope, max_tokens = 4, 3, 512, 64, 1024
+    cache = torch.randn(4 * max_tokens, latent + rope, device="cuda", dtype=bf16)
+    q_latent = torch.randn(batch * q_per_seq, heads, latent, device="cuda", dtype=bf16)
+    q_rope = torch.randn(batch * q_per_seq, heads, rope, device="cuda", dtype=bf16)
+    indptr = torch.zeros(batch + 1, dtype=torch.int64, device="cuda")
+    indices = torch.zeros(batch * max_tokens, dtype=torch.int64, device="cuda")
+
+    def load(lens: list[int]) -> None:
+        ptr, idx, _ = _scattered_slots(lens, page_size or 16)
+        indptr.copy_(ptr)
+        indices[:idx.numel()].copy_(idx)
+
+    def run() -> torch.Tensor:
+        return mla_verify(q_latent, q_rope, cache, indptr, indices, 0.07, q_per_seq, page_size=page_size)
+
+    load([5, 3, 300, 1000])
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for lens in ([17, 900, 3, 64], [1000, 3, 4, 5]):
+        load(lens)
+        graph.replay()
+        ref = mla_verify_ref(q_latent.double(), q_rope.double(), cache.double(), indptr, indices, 0.07, q_per_seq)
+        assert rel_error(out, ref) < REL_TOL[bf16]
+
+
 @gpu
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("config", [{}, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
@@ -264,6 +446,12 @@ def test_wrappers_reject_bad_inputs() -> None:
         mla.mla_decode(q_lat, q_rope, cache, indptr[:2], indices, 1.0)
     with pytest.raises(ValueError, match="config"):
         mla.mla_decode(q_lat, q_rope, cache, indptr, indices, 1.0, config={"BLOCK_K": 16})
+    with pytest.raises(ValueError, match="q_per_seq"):
+        mla.mla_verify(q_lat[:1].expand(3, -1, -1), q_rope[:1].expand(3, -1, -1), cache, indptr, indices, 1.0, 2)
+    with pytest.raises(ValueError, match="q_per_seq"):
+        mla.mla_verify(q_lat, q_rope, cache, indptr, indices, 1.0, 0)
+    with pytest.raises(ValueError, match="kv_indptr"):
+        mla.mla_verify(q_lat, q_rope, cache, indptr, indices, 1.0, 2)  # 2 rows: one sequence, not two
 
     q, k, v = torch.randn(6, 2, 48), torch.randn(10, 2, 48), torch.randn(10, 2, 32)
     with pytest.raises(ValueError, match="lengths sum"):
@@ -309,7 +497,8 @@ INTERPRETED_CHECKS = {
     "decode_paged": lambda: check_mla_decode("cpu", f16, 16, [1, 37, 0, 20], page_size=16, paged=True,
                                              num_kv_splits=3, PAGED=True, **TINY),
     "decode_paged_lazy_fp32": lambda: check_mla_decode("cpu", f32, 8, [70, 3, 0, 32], page_size=32, paged=True,
-                                                       scale=1.5, num_kv_splits=2, LAZY_RESCALE=True, PAGED=True, **TINY),
+                                                       scale=1.5, num_kv_splits=2, LAZY_RESCALE=True, PAGED=True,
+                                                       **TINY),
     "decode_paged_one_split": lambda: check_mla_decode("cpu", f16, 3, [17, 2, 48], page_size=16, paged=True,
                                                        index_dtype=torch.int32, num_kv_splits=1, PAGED=True, **TINY),
     "decode_paged_small_pages_gather": lambda: check_mla_decode("cpu", f16, 16, [9, 40], page_size=4, paged=True,
@@ -318,6 +507,33 @@ INTERPRETED_CHECKS = {
                                                    **TINY),
     "decode_padded_dims_one_split": lambda: check_mla_decode("cpu", f16, 3, [17, 2], latent=8, rope=2,
                                                              num_kv_splits=1, **TINY),
+    "verify_q2_three_splits": lambda: check_mla_verify("cpu", f16, 16, [2, 37, 5, 20], 2, num_kv_splits=3, **TINY),
+    "verify_q2_random_queries": lambda: check_mla_verify("cpu", f32, 16, [2, 37, 5, 20], 2, aim=0.0,
+                                                         num_kv_splits=3, **TINY),
+    "verify_q4_one_split_fp32": lambda: check_mla_verify("cpu", f32, 8, [4, 19, 33], 4, index_dtype=torch.int32,
+                                                         num_kv_splits=1, **TINY),
+    "verify_q3_more_splits_than_tokens": lambda: check_mla_verify("cpu", f16, 16, [3, 20], 3, num_kv_splits=24,
+                                                                  **TINY),
+    "verify_q3_lazy_rescale": lambda: check_mla_verify("cpu", f32, 16, [70, 3, 9], 3, scale=1.5, num_kv_splits=2,
+                                                       LAZY_RESCALE=True, **TINY),
+    "verify_q2_padded_dims": lambda: check_mla_verify("cpu", f32, 2, [9, 40, 2], 2, latent=24, rope=8,
+                                                      num_kv_splits=3, **TINY),
+    "verify_paged_q2": lambda: check_mla_verify("cpu", f16, 16, [2, 37, 5, 20], 2, page_size=16, paged=True,
+                                                num_kv_splits=3, PAGED=True, **TINY),
+    "verify_paged_q3_lazy_fp32": lambda: check_mla_verify("cpu", f32, 8, [70, 3, 32], 3, page_size=32, paged=True,
+                                                          scale=1.5, num_kv_splits=2, LAZY_RESCALE=True, PAGED=True,
+                                                          **TINY),
+    "verify_paged_q4_one_split": lambda: check_mla_verify("cpu", f16, 3, [17, 4, 48], 4, page_size=16, paged=True,
+                                                          index_dtype=torch.int32, num_kv_splits=1, PAGED=True,
+                                                          **TINY),
+    "verify_one_query_is_decode": lambda: check_verify_one_query_is_decode("cpu", f16, 16, [1, 37, 0, 20],
+                                                                           num_kv_splits=3, **TINY),
+    "verify_one_query_is_decode_paged": lambda: check_verify_one_query_is_decode("cpu", f16, 16, [1, 37, 0, 20],
+                                                                                 page_size=16, num_kv_splits=3,
+                                                                                 PAGED=True, **TINY),
+    # 18 rows of one head block: 15 splits on the interpreter's 132 "SMs", 29 if a part sized itself, 32 (capped)
+    # if launch_batch were taken as rows; the long contexts' chunks differ with the split count
+    "verify_part_of_a_batch": lambda: check_verify_part_of_a_batch("cpu", f16, 4, [3, 1000, 5, 3, 9, 600], 3),
     "extend": lambda: check_extend_attention("cpu", f16, 2, [5, 17, 1, 0, 20], [0, 9, 30, 4, 0],
                                              BLOCK_M=16, BLOCK_N=16),
     "extend_block_m_32": lambda: check_extend_attention("cpu", f16, 2, [5, 17, 1, 0, 20], [0, 9, 30, 4, 0],

@@ -104,7 +104,9 @@ def test_shipped_model_answers_held_out_prompts() -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                                     output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    # the MTP module (layer num_hidden_layers, as released): transformers' model has no place for it
+    assert info["unexpected_keys"] and all(k.startswith("model.layers.4.") for k in info["unexpected_keys"]), info
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)

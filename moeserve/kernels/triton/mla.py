@@ -10,6 +10,12 @@ and can be captured in a CUDA graph. When the caller gives the cache's page size
 tokens within one page are read whole by the copy engine (TMA) instead of row by row, and on
 Hopper 64-head blocks go to the warp-specialised Gluon kernel in ``mla_hopper``.
 
+Verification (``mla_verify``) runs the same kernels with ``Q_PER_SEQ`` query rows per sequence:
+program row ``r`` is query ``r % Q`` of sequence ``r // Q``, which reads the sequence's slots
+from ``kv_indptr`` as decode does, less the ``Q - 1 - r % Q`` tokens after it (causal). No
+per-row copy of ``kv_indices`` is made; ``Q_PER_SEQ = 1`` is decode itself. The Gluon kernel
+takes one query per sequence only; verification with more runs the Triton kernels.
+
 Prefill (``extend_attention``) is a flash-attention forward over sequences packed back to back,
 causal with a cached prefix: new token ``i`` of a sequence sees keys ``0 .. prefix_len + i``.
 Key blocks wholly below the diagonal run without masks; only the blocks on it are masked, and
@@ -49,18 +55,24 @@ _RESCALE_LOG2 = tl.constexpr(8.0)  # lazy rescale: tolerated growth of the runni
 
 @triton.jit
 def _decode_program(num_heads, BLOCK_H: tl.constexpr):
-    """This decode program's sequence, split, heads ``[BLOCK_H]`` and which of them exist. The
+    """This decode program's query row, split, heads ``[BLOCK_H]`` and which of them exist. The
     head block is grid axis 0, the fastest, so the head blocks of one split read the same rows."""
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     return tl.program_id(1).to(tl.int64), tl.program_id(2), heads, heads < num_heads
 
 
 @triton.jit
-def _split_bounds(kv_indptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
-    """``(kv_start, lo, hi)``: where the sequence's slots start in ``kv_indices`` and the token
-    range ``[lo, hi)`` of this split, whole ``BLOCK_N`` blocks (``hi <= lo`` for an empty split)."""
+def _split_bounds(kv_indptr, row, split, num_splits, BLOCK_N: tl.constexpr, Q_PER_SEQ: tl.constexpr):
+    """``(kv_start, lo, hi)``: where the row's sequence's slots start in ``kv_indices`` and the
+    token range ``[lo, hi)`` of this split, whole ``BLOCK_N`` blocks (``hi <= lo`` for an empty
+    split). Row ``row`` is query ``row % Q_PER_SEQ`` of sequence ``row // Q_PER_SEQ``."""
+    seq = row
+    if Q_PER_SEQ > 1:
+        seq = row // Q_PER_SEQ
     kv_start = tl.load(kv_indptr + seq).to(tl.int64)
     seq_len = (tl.load(kv_indptr + seq + 1) - kv_start).to(tl.int32)
+    if Q_PER_SEQ > 1:  # the sequence's later queries are hidden from this one
+        seq_len = tl.maximum(seq_len - (Q_PER_SEQ - 1 - row % Q_PER_SEQ).to(tl.int32), 0)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     return kv_start, lo, tl.minimum(lo + chunk, seq_len)
@@ -114,23 +126,25 @@ def _mla_decode_split_kernel(
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, WS: tl.constexpr,
+    Q_PER_SEQ: tl.constexpr = 1,
 ):
-    """One (head block, sequence, split): softmax-weighted latent over the split's tokens, each
-    cache row gathered through ``kv_indices``.
+    """One (head block, query row, split): softmax-weighted latent over the split's tokens, each
+    cache row gathered through ``kv_indices``. A row is a sequence, or with ``Q_PER_SEQ > 1`` one
+    of its queries (``_split_bounds``).
 
-    ``out`` is ``[B, H, splits, L]`` fp32 with ``lse [B, H, splits]`` (log2 domain), or, with
-    ``SINGLE_SPLIT``, the final ``[B, H, L]`` output (``lse`` unused).
+    ``out`` is ``[rows, H, splits, L]`` fp32 with ``lse [rows, H, splits]`` (log2 domain), or,
+    with ``SINGLE_SPLIT``, the final ``[rows, H, L]`` output (``lse`` unused).
     """
-    seq, split, heads, head_ok = _decode_program(num_heads, BLOCK_H)
+    row, split, heads, head_ok = _decode_program(num_heads, BLOCK_H)
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     l_ok = offs_l < LATENT  # all true unless the latent dim is padded
     r_ok = offs_r < ROPE
-    q_l = tl.load(q_latent + seq * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :],
+    q_l = tl.load(q_latent + row * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :],
                   mask=head_ok[:, None] & l_ok[None, :], other=0.0)  # [BLOCK_H, L]
-    q_r = tl.load(q_rope + seq * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
+    q_r = tl.load(q_rope + row * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
                   mask=head_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_H, R]
-    kv_start, lo, hi = _split_bounds(kv_indptr, seq, split, num_splits, BLOCK_N)
+    kv_start, lo, hi = _split_bounds(kv_indptr, row, split, num_splits, BLOCK_N, Q_PER_SEQ)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -149,8 +163,8 @@ def _mla_decode_split_kernel(
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, qk_scale, LAZY_RESCALE)
         acc = tl.dot(p.to(latent.dtype), latent, _rescale(acc, alpha, LAZY_RESCALE), input_precision=DOT_PRECISION)
 
-    o_ptrs = out + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_l[None, :]
-    _store_split(acc, l_i, m_i, o_ptrs, lse + seq * stride_lb + heads * stride_lh + split,
+    o_ptrs = out + row * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_l[None, :]
+    _store_split(acc, l_i, m_i, o_ptrs, lse + row * stride_lb + heads * stride_lh + split,
                  head_ok, l_ok, SINGLE_SPLIT, True)
 
 
@@ -189,20 +203,21 @@ def _mla_decode_paged_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     HALF: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q_PER_SEQ: tl.constexpr = 1,
 ):
     """``_mla_decode_split_kernel`` for caches laid out in pages of a multiple of ``BLOCK_N``
     slots: a block of tokens is ``BLOCK_N`` consecutive rows, loaded whole by the copy engine
     (TMA) instead of row by row. The latent (``2 * HALF`` wide) is handled as two halves, since
     a copy-engine box is at most 256 elements wide."""
-    seq, split, heads, head_ok = _decode_program(num_heads, BLOCK_H)
+    row, split, heads, head_ok = _decode_program(num_heads, BLOCK_H)
     offs_h = tl.arange(0, HALF)
     offs_r = tl.arange(0, ROPE)
-    q_row = q_latent + seq * stride_qlb + heads[:, None] * stride_qlh
+    q_row = q_latent + row * stride_qlb + heads[:, None] * stride_qlh
     q_a = tl.load(q_row + offs_h[None, :], mask=head_ok[:, None], other=0.0)  # [BLOCK_H, HALF]
     q_b = tl.load(q_row + HALF + offs_h[None, :], mask=head_ok[:, None], other=0.0)
-    q_r = tl.load(q_rope + seq * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
+    q_r = tl.load(q_rope + row * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
                   mask=head_ok[:, None], other=0.0)  # [BLOCK_H, R]
-    kv_start, lo, hi = _split_bounds(kv_indptr, seq, split, num_splits, BLOCK_N)
+    kv_start, lo, hi = _split_bounds(kv_indptr, row, split, num_splits, BLOCK_N, Q_PER_SEQ)
     hi = tl.maximum(hi, lo)
     full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
 
@@ -219,8 +234,8 @@ def _mla_decode_paged_kernel(
                                               kv_indices, kv_start, full_end, hi, qk_scale,
                                               HALF, BLOCK_N, True, LAZY_RESCALE, DOT_PRECISION)
 
-    o_ptrs = out + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_h[None, :]
-    lse_ptrs = lse + seq * stride_lb + heads * stride_lh + split
+    o_ptrs = out + row * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_h[None, :]
+    lse_ptrs = lse + row * stride_lb + heads * stride_lh + split
     col_ok = offs_h < HALF  # all true
     _store_split(acc_a, l_i, m_i, o_ptrs, lse_ptrs, head_ok, col_ok, SINGLE_SPLIT, True)
     _store_split(acc_b, l_i, m_i, o_ptrs + HALF, lse_ptrs, head_ok, col_ok, SINGLE_SPLIT, False)
@@ -232,24 +247,24 @@ def _mla_decode_merge_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     LATENT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """One (head, sequence): weight each split's output by its share of the softmax mass."""
+    """One (head, query row): weight each split's output by its share of the softmax mass."""
     head = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_l = tl.arange(0, BLOCK_L)
     l_ok = offs_l < LATENT
-    lse_row = lse + seq * stride_lb + head * stride_lh
+    lse_row = lse + row * stride_lb + head * stride_lh
     split_lse = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     top = tl.max(split_lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: all weights 0, output 0
     total = tl.sum(tl.exp2(split_lse - top), 0)
     acc = tl.zeros([BLOCK_L], tl.float32)
-    part_row = partial + seq * stride_pb + head * stride_ph
+    part_row = partial + row * stride_pb + head * stride_ph
     for s in range(num_splits):
         weight = tl.exp2(tl.load(lse_row + s) - top)
         acc += weight * tl.load(part_row + s * stride_ps + offs_l, mask=l_ok, other=0.0)
     acc = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out + seq * stride_ob + head * stride_oh + offs_l, acc.to(out.dtype.element_ty), mask=l_ok)
+    tl.store(out + row * stride_ob + head * stride_oh + offs_l, acc.to(out.dtype.element_ty), mask=l_ok)
 
 
 @functools.cache
@@ -272,9 +287,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def decode_config(batch: int, num_heads: int, row_bytes: int, device: torch.device,
                   page_size: int | None = None, hopper_kernel: bool = False) -> dict:
     """Default launch parameters from static facts only (no context lengths: graph-safe);
-    ``row_bytes`` is the size of one cache row ((L + R) * element size; 1152 for DeepSeek bf16),
-    ``page_size`` the cache's pages, if the caller gives them; ``hopper_kernel``: the Gluon
-    kernel of ``mla_hopper`` takes these inputs (``mla_hopper.decode_supported``).
+    ``batch`` is the launch's query rows (its sequences, in decode), ``row_bytes`` the size of one
+    cache row ((L + R) * element size; 1152 for DeepSeek bf16), ``page_size`` the cache's pages,
+    if the caller gives them; ``hopper_kernel``: the Gluon kernel of ``mla_hopper`` takes these
+    inputs (``mla_hopper.decode_supported``).
 
     The Gluon kernel is the default wherever it applies, for any head count: on the H200 it ran
     128 sequences x 4096, 128 heads in 0.28 ms against 0.51 ms for the Triton kernel over page
@@ -326,10 +342,12 @@ def _check_scale(scale: float) -> None:
 
 
 def _check_decode_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
-                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor, q_per_seq: int = 1) -> None:
     if q_latent.dim() != 3 or q_rope.dim() != 3 or q_rope.shape[:2] != q_latent.shape[:2]:
-        raise ValueError(f"q_latent [B, H, L] and q_rope [B, H, R] expected, got {tuple(q_latent.shape)} "
+        raise ValueError(f"q_latent [B*Q, H, L] and q_rope [B*Q, H, R] expected, got {tuple(q_latent.shape)} "
                          f"and {tuple(q_rope.shape)}")
+    if q_per_seq < 1 or q_latent.shape[0] % q_per_seq:
+        raise ValueError(f"{q_latent.shape[0]} query rows are not sequences of q_per_seq = {q_per_seq}")
     latent_dim, rope_dim = q_latent.shape[-1], q_rope.shape[-1]
     if kv_cache.dim() != 2 or kv_cache.shape[1] != latent_dim + rope_dim or latent_dim == 0:
         raise ValueError(f"kv_cache [slots, L + R] = [slots, {latent_dim + rope_dim}] with L > 0 expected, "
@@ -339,7 +357,7 @@ def _check_decode_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache:
                          f"{q_latent.dtype}, {q_rope.dtype}, {kv_cache.dtype}")
     if q_latent.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("q_latent, q_rope and kv_cache need a contiguous last dim")
-    if kv_indptr.shape != (q_latent.shape[0] + 1,) or kv_indices.dim() != 1:
+    if kv_indptr.shape != (q_latent.shape[0] // q_per_seq + 1,) or kv_indices.dim() != 1:
         raise ValueError(f"kv_indptr [B + 1] and kv_indices [total] expected, got {tuple(kv_indptr.shape)} "
                          f"and {tuple(kv_indices.shape)}")
     if kv_indptr.dtype not in _INDEX_DTYPES or kv_indices.dtype not in _INDEX_DTYPES:
@@ -347,7 +365,7 @@ def _check_decode_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     if not (kv_indptr.is_contiguous() and kv_indices.is_contiguous()):
         raise ValueError("kv_indptr and kv_indices must be contiguous")
     if q_latent.shape[0] > _MAX_GRID_YZ:
-        raise ValueError(f"at most {_MAX_GRID_YZ} sequences per call, got {q_latent.shape[0]}")
+        raise ValueError(f"at most {_MAX_GRID_YZ} query rows per call, got {q_latent.shape[0]}")
     devices = {t.device for t in (q_latent, q_rope, kv_cache, kv_indptr, kv_indices)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {devices}")
@@ -377,39 +395,76 @@ def mla_decode(
     takes the Triton kernels' defaults). ``config`` overrides ``decode_config``; ``launch_batch``
     (default B) is the batch ``decode_config`` sizes the splits for.
     """
-    _check_decode_inputs(q_latent, q_rope, kv_cache, kv_indptr, kv_indices)
+    return mla_verify(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, 1, page_size=page_size, config=config,
+                      launch_batch=launch_batch)
+
+
+def mla_verify(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    q_per_seq: int,
+    *,
+    page_size: int | None = None,
+    config: dict | None = None,
+    launch_batch: int | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA with ``Q = q_per_seq`` causal queries per sequence, each sequence's last
+    tokens; the contract of ``moeserve.kernels.mla.mla_verify``, ``mla_decode`` at ``Q = 1``.
+
+    ``q_latent [B*Q, H, L]``, ``q_rope [B*Q, H, R]``, ``kv_indptr [B + 1]``; the rest, ``page_size``
+    and ``config`` as for ``mla_decode``. Each query row is a row of the decode grid. The Gluon
+    kernel takes ``Q = 1`` only; with more queries the Triton kernels run. ``launch_batch``
+    (default B) counts sequences, as for ``mla_decode``: ``decode_config`` sizes the splits for
+    ``launch_batch * Q`` rows, the programs such a launch has, so whole sequences of a verify
+    batch (with their batch's size) get bitwise the whole's rows, and ``Q = 1`` launches as
+    decode does.
+    """
+    _check_decode_inputs(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, q_per_seq)
     _check_scale(scale)
     if page_size is not None and page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    batch, num_heads, latent_dim = q_latent.shape
+    rows, num_heads, latent_dim = q_latent.shape
     row_bytes = kv_cache.shape[1] * kv_cache.element_size()
     wants_hopper = (config or {}).get("HOPPER_WS", True)
-    hopper_kernel = wants_hopper and mla_hopper.decode_supported(q_latent, kv_cache, page_size)
-    default = decode_config(launch_batch or batch, num_heads, row_bytes, q_latent.device, page_size, hopper_kernel)
+    hopper_kernel = wants_hopper and mla_hopper.decode_supported(q_latent, kv_cache, page_size, q_per_seq=q_per_seq)
+    launch_rows = (launch_batch or rows // q_per_seq) * q_per_seq
+    default = decode_config(launch_rows, num_heads, row_bytes, q_latent.device, page_size, hopper_kernel)
     cfg = _merge_config(default, config, DECODE_CONFIG_KEYS)
-    out = q_latent.new_empty(batch, num_heads, latent_dim)
-    if batch == 0 or num_heads == 0:
+    out = q_latent.new_empty(rows, num_heads, latent_dim)
+    if rows == 0 or num_heads == 0:
         return out
     splits = cfg["num_kv_splits"]
-    hopper_tiles = (cfg["BLOCK_H"], cfg["BLOCK_N"]) == (mla_hopper.BLOCK_H.value, mla_hopper.BLOCK_N.value)
-    if hopper_kernel and cfg["PAGED"] and hopper_tiles:
-        stage_1 = functools.partial(mla_hopper.decode_splits, q_latent, q_rope, kv_cache, kv_indptr, kv_indices,
-                                    scale * LOG2E, splits)
-    else:
-        stage_1 = functools.partial(_decode_splits, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, cfg,
-                                    _page_descriptors(kv_cache, latent_dim, page_size, cfg))
+    stage_1 = _stage_1(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, q_per_seq, page_size, cfg,
+                       hopper_kernel)
     if splits == 1:  # stage 1 writes the final output; nothing to merge
         stage_1(out, (*out.stride()[:2], 0), out, (0, 0))
         return out
-    partial = torch.empty(batch, num_heads, splits, latent_dim, dtype=torch.float32, device=out.device)
-    lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=out.device)
+    partial = torch.empty(rows, num_heads, splits, latent_dim, dtype=torch.float32, device=out.device)
+    lse = torch.empty(rows, num_heads, splits, dtype=torch.float32, device=out.device)
     stage_1(partial, partial.stride()[:3], lse, lse.stride()[:2])
-    _mla_decode_merge_kernel[(num_heads, batch)](
+    _mla_decode_merge_kernel[(num_heads, rows)](
         partial, lse, out, splits,
         *partial.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
         LATENT=latent_dim, BLOCK_L=_dot_block(latent_dim), BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
     )
     return out
+
+
+def _stage_1(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
+             kv_indices: torch.Tensor, scale: float, q_per_seq: int, page_size: int | None, cfg: dict,
+             hopper_kernel: bool) -> functools.partial:
+    """The split kernel for these inputs and config, waiting for ``(out, out_strides, lse, lse_strides)``:
+    the Gluon kernel where it applies and the config has its tiles, else the Triton one."""
+    hopper_tiles = (cfg["BLOCK_H"], cfg["BLOCK_N"]) == (mla_hopper.BLOCK_H.value, mla_hopper.BLOCK_N.value)
+    if hopper_kernel and cfg["PAGED"] and hopper_tiles:
+        return functools.partial(mla_hopper.decode_splits, q_latent, q_rope, kv_cache, kv_indptr, kv_indices,
+                                 scale * LOG2E, cfg["num_kv_splits"])
+    return functools.partial(_decode_splits, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, cfg,
+                             _page_descriptors(kv_cache, q_latent.shape[-1], page_size, cfg), q_per_seq)
 
 
 def _page_descriptors(kv_cache: torch.Tensor, latent_dim: int, page_size: int | None, cfg: dict) -> tuple | None:
@@ -435,15 +490,17 @@ def _page_descriptors(kv_cache: torch.Tensor, latent_dim: int, page_size: int | 
 
 
 def _decode_splits(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                   kv_indices: torch.Tensor, scale: float, cfg: dict, descriptors: tuple | None,
+                   kv_indices: torch.Tensor, scale: float, cfg: dict, descriptors: tuple | None, q_per_seq: int,
                    out: torch.Tensor, out_strides: tuple, lse: torch.Tensor, lse_strides: tuple) -> None:
-    """Stage 1 into ``out`` (``[B, H, splits, L]`` by ``out_strides``) and ``lse`` (``[B, H, splits]``),
-    through the copy engine when ``descriptors`` are given, by row gathers otherwise."""
-    batch, num_heads, latent_dim = q_latent.shape
+    """Stage 1 into ``out`` (``[rows, H, splits, L]`` by ``out_strides``) and ``lse``
+    (``[rows, H, splits]``), ``q_per_seq`` query rows a sequence, through the copy engine when
+    ``descriptors`` are given, by row gathers otherwise."""
+    rows, num_heads, latent_dim = q_latent.shape
     rope_dim = q_rope.shape[-1]
     splits = cfg["num_kv_splits"]
-    grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]), batch, splits)
+    grid = (triton.cdiv(num_heads, cfg["BLOCK_H"]), rows, splits)
     common = {"BLOCK_H": cfg["BLOCK_H"], "BLOCK_N": cfg["BLOCK_N"], "SINGLE_SPLIT": splits == 1,
+              "Q_PER_SEQ": q_per_seq,
               "LAZY_RESCALE": cfg["LAZY_RESCALE"], "DOT_PRECISION": _dot_precision(q_latent.dtype),
               "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     q_strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1))

@@ -68,7 +68,8 @@ def _query_to_smem(q_latent, q_rope, seq, head0, num_heads, stride_qlb, stride_q
     heads = head0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, q_layout))
     head_ok = (heads < num_heads)[:, None]
-    q_lat = gl.allocate_shared_memory(dtype, [ROWS, LATENT], gl.NVMMASharedLayout.get_default_for([ROWS, LATENT], dtype))
+    q_lat = gl.allocate_shared_memory(dtype, [ROWS, LATENT],
+                                      gl.NVMMASharedLayout.get_default_for([ROWS, LATENT], dtype))
     q_rope_s = gl.allocate_shared_memory(dtype, [ROWS, ROPE], gl.NVMMASharedLayout.get_default_for([ROWS, ROPE], dtype))
     q_rows = q_latent + seq * stride_qlb + heads[:, None] * stride_qlh
     for c in gl.static_range(LATENT // 64):
@@ -258,11 +259,12 @@ def _mla_decode_wide_kernel(
 
 
 def decode_supported(q_latent: torch.Tensor, kv_cache: torch.Tensor, page_size: int | None,
-                     block_h: int = BLOCK_H.value, block_n: int = BLOCK_N.value) -> bool:
-    """Whether ``decode_splits`` can take these inputs with these tiles (default: its own): a
-    Hopper GPU, 16-bit DeepSeek dims, 64-head blocks over 64-row page blocks, pages of a multiple
-    of 64 slots, rows the copy engine can address."""
-    if block_h != BLOCK_H.value or block_n != BLOCK_N.value:
+                     block_h: int = BLOCK_H.value, block_n: int = BLOCK_N.value, *, q_per_seq: int = 1) -> bool:
+    """Whether ``decode_splits`` can take these inputs with these tiles (default: its own): one
+    query per sequence (``q_per_seq``; verification with more runs the Triton kernels), a Hopper
+    GPU, 16-bit DeepSeek dims, 64-head blocks over 64-row page blocks, pages of a multiple of 64
+    slots, rows the copy engine can address."""
+    if q_per_seq != 1 or block_h != BLOCK_H.value or block_n != BLOCK_N.value:
         return False
     if page_size is None or page_size % block_n or kv_cache.device.type != "cuda":
         return False

@@ -1,0 +1,176 @@
+"""Speculative decoding with the checkpoint's MTP module (``--speculative-algorithm NEXTN``): a mode
+of the scheduler's step, not a second engine.
+
+Each request carries ``S`` draft tokens between steps. A decode step becomes a verify step: the
+model runs over every running request's last token and its drafts at once (``ForwardMode.VERIFY``,
+absorbed MLA with ``S + 1`` queries a sequence), the chain is judged (``executor/speculative.py``:
+greedy or the rejection rule), the kept drafts and one more token are appended one at a time with
+the stop conditions checked after each, and the KV of the rejected drafts is dropped (``kv_len``
+stays behind them; the pages past what the next step needs go back). Then the MTP module runs over
+the positions just accepted (each position's hidden state from the verify pass, and the token after
+it) and drafts the next chain, ``S`` times autoregressively. A prefill step does the same after the
+prompt: the MTP module runs over the chunk's positions and, once the prompt is done, drafts.
+
+Position ``p`` of the MTP module reads the model's hidden state at ``p`` and the token at ``p + 1``,
+and writes the MTP layer's KV at ``p``; a draft step's KV at later positions is provisional and is
+written again once those positions are accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from moeserve.core import ForwardMode, Req, ScheduleBatch, ScheduledSeq
+from moeserve.executor.sampler import SamplingInfo, apply_penalties, gather_logprobs
+from moeserve.executor.speculative import draw, target_probs, verify_greedy, verify_sampled
+
+if TYPE_CHECKING:
+    from moeserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class SpecDecoder:
+    """Drafts of every running request (``drafts``, with the distributions sampled ones were drawn
+    from), and the counts behind the mean accept length."""
+
+    def __init__(self, sched: Scheduler, num_drafts: int) -> None:
+        self.sched, self.num_drafts = sched, num_drafts
+        self.drafts: dict[str, list[int]] = {}
+        self.draft_probs: dict[str, torch.Tensor] = {}  # [S, V] for sampled requests
+        self.verified = 0  # (request, verify step) pairs
+        self.emitted = 0  # tokens those appended
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens a request gains per verify step, on average (1 = no draft ever kept)."""
+        return self.emitted / self.verified if self.verified else 0.0
+
+    def release(self, req: Req) -> None:
+        self.drafts.pop(req.rid, None)
+        self.draft_probs.pop(req.rid, None)
+
+    # ---- a step -----------------------------------------------------------------------------
+    def run(self, batch: ScheduleBatch) -> list[Req]:
+        """Run ``batch`` (the scheduler's prefill or decode batch) speculatively; the requests with
+        news for their client."""
+        runner = self.sched.runner
+        if batch.mode is ForwardMode.EXTEND:
+            logits, hidden = runner.forward_with_hidden(batch)
+            completes = [seq.completes_fill for seq in batch.seqs]  # (before the first token is appended)
+            changed = self.sched.process(batch, logits)
+            self._after_prefill(batch, hidden, completes)
+            return changed
+        verify = ScheduleBatch(ForwardMode.VERIFY, [self._verify_seq(s.req) for s in batch.seqs])
+        logits, hidden = runner.forward_with_hidden(verify)  # [B * (S + 1), V], [B * (S + 1), D]
+        width = self.num_drafts + 1
+        appended = [self._accept(seq.req, logits[i * width:(i + 1) * width]) for i, seq in enumerate(verify.seqs)]
+        self._after_verify(verify, appended, hidden)
+        return [seq.req for seq, n in zip(verify.seqs, appended) if n or seq.req.finished]
+
+    def _verify_seq(self, req: Req) -> ScheduledSeq:
+        drafts = self.drafts[req.rid]
+        return ScheduledSeq(req, req.seq_len - 1, req.seq_len + len(drafts), tokens=[req.output_ids[-1], *drafts])
+
+    # ---- judging a chain --------------------------------------------------------------------
+    def _accept(self, req: Req, logits: torch.Tensor) -> int:
+        """Append what ``req``'s chain emits (``logits [S + 1, V]`` of the verify pass), a token at a
+        time with its stop conditions; the number appended. A failure fails the request alone."""
+        sched, drafts = self.sched, self.drafts.pop(req.rid)
+        try:
+            infos = [_info(req, drafts[:j]) for j in range(len(drafts) + 1)]
+            if req.params.greedy:
+                target = apply_penalties(logits.float(), infos).argmax(-1).tolist()
+                tokens = verify_greedy(target, drafts)
+            else:
+                tokens = verify_sampled(target_probs(logits, infos), self.draft_probs.pop(req.rid), drafts,
+                                        req.generator)
+            logprobs = gather_logprobs(apply_penalties(logits[:len(tokens)].float(), infos[:len(tokens)]),
+                                       torch.tensor(tokens, device=logits.device), infos[:len(tokens)])
+        except Exception as exc:
+            logger.exception("verifying request %s failed", req.rid)
+            sched.fail(req, f"speculative verification failed: {type(exc).__name__}: {exc}")
+            return 0
+        self.verified += 1
+        for n, (token, logprob) in enumerate(zip(tokens, logprobs), start=1):
+            req.output_ids.append(token)
+            if logprob is not None:
+                req.output_logprobs.append(logprob)
+            req.kv_len = req.seq_len - 1
+            sched.check_finished(req)
+            if req.finished:
+                break
+        self.emitted += n
+        return n
+
+    # ---- drafting ---------------------------------------------------------------------------
+    def _after_prefill(self, batch: ScheduleBatch, hidden: torch.Tensor, completes: list[bool]) -> None:
+        """The MTP module over the chunk's positions (it needs their KV later), then drafts for the
+        requests whose prompt is done (``completes``) and that decode on."""
+        seqs, rows, wants, at = [], [], [], 0
+        for seq, done in zip(batch.seqs, completes):
+            n, req = seq.end - seq.start, seq.req
+            if not req.finished and req.seq_len > seq.end:  # the token after the chunk is known
+                seqs.append(ScheduledSeq(req, seq.start, seq.end, tokens=req.fill_slice(seq.start + 1, seq.end + 1)))
+                rows.append(torch.arange(at, at + n, device=hidden.device))
+                wants.append(done)
+            at += n
+        if seqs:
+            self._draft(seqs, hidden[torch.cat(rows)], wants)
+
+    def _after_verify(self, verify: ScheduleBatch, appended: list[int], hidden: torch.Tensor) -> None:
+        """Give back the pages of the rejected drafts past what the next step needs, then run the
+        MTP module over the accepted positions and draft."""
+        width, seqs, rows = self.num_drafts + 1, [], []
+        for i, (seq, n) in enumerate(zip(verify.seqs, appended)):
+            req = seq.req
+            if req.finished or n == 0:
+                continue
+            self._trim_pages(req)
+            start = seq.start
+            seqs.append(ScheduledSeq(req, start, start + n, tokens=req.output_ids[-n:]))
+            rows.append(torch.arange(i * width, i * width + n, device=hidden.device))
+        if seqs:
+            self._draft(seqs, hidden[torch.cat(rows)], [True] * len(seqs))
+
+    def _trim_pages(self, req: Req) -> None:
+        pages = self.sched.pages
+        keep = pages.pages_for(req.seq_len + self.num_drafts)
+        if len(req.page_table) > keep:
+            pages.free(req.page_table[keep:])
+            del req.page_table[keep:]
+
+    def _draft(self, seqs: list[ScheduledSeq], prev_hidden: torch.Tensor, wants: list[bool]) -> None:
+        """MTP over ``seqs`` (positions and their next tokens); for the ``wants`` ones a chain of
+        ``S`` drafts from its last position, each step one more position of the MTP module."""
+        runner = self.sched.runner
+        logits, hidden = runner.forward_mtp(ScheduleBatch(ForwardMode.EXTEND, seqs), prev_hidden)
+        last = torch.cumsum(torch.tensor([s.end - s.start for s in seqs], device=hidden.device), 0) - 1
+        keep = [i for i, w in enumerate(wants) if w]
+        if not keep:
+            return
+        reqs, logits, hidden = [seqs[i].req for i in keep], logits[keep], hidden[last[keep]]
+        chains: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        for step in range(self.num_drafts):
+            if step:  # one more position: the last draft is its input token
+                steps = [ScheduledSeq(r, r.seq_len - 2 + step, r.seq_len - 1 + step, tokens=[c[-1]])
+                         for r, c in zip(reqs, chains)]
+                logits, hidden = runner.forward_mtp(ScheduleBatch(ForwardMode.DECODE, steps), hidden)
+            q = target_probs(logits, [_info(r, c) for r, c in zip(reqs, chains)])  # [B, V]
+            for k, req in enumerate(reqs):
+                token = int(q[k].argmax()) if req.params.greedy else draw(q[k], req.generator)
+                chains[k].append(token)
+                probs[k].append(q[k])
+        for req, chain, q in zip(reqs, chains, probs):
+            self.drafts[req.rid] = chain
+            if not req.params.greedy:
+                self.draft_probs[req.rid] = torch.stack(q)
+
+
+def _info(req: Req, extra: list[int]) -> SamplingInfo:
+    """The sampler's view of ``req`` at a position ``extra`` tokens past its output (penalties)."""
+    return SamplingInfo(req.params, req.generator, req.prompt_ids, req.output_ids + extra)
