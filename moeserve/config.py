@@ -536,8 +536,9 @@ class EngineConfig:
         if self.spec.enabled:
             _require(self.model.num_mtp_layers >= 1, "speculative_algorithm",
                      "NEXTN needs a checkpoint with an MTP module (num_nextn_predict_layers >= 1)")
-            _require(self.parallel.world_size == 1, "speculative_algorithm",
-                     "NEXTN runs on one rank for now (tp_size 1)")
+            _require(self.parallel.attn_tp_size == 1, "speculative_algorithm",
+                     "NEXTN needs an attention-TP size of 1 for now (tp_size 1, or DP attention with dp_size == "
+                     "tp_size)")
             _require(self.disagg.disaggregation_mode == "null", "speculative_algorithm",
                      "NEXTN is not yet supported with --disaggregation-mode")
 

@@ -322,6 +322,11 @@ class ScheduleBatch:
     def num_tokens(self) -> int:
         return sum(s.end - s.start for s in self.seqs)
 
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits the step computes: one a sequence, every token of a verify step."""
+        return self.num_tokens if self.mode is ForwardMode.VERIFY else len(self.seqs)
+
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:

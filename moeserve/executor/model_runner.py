@@ -217,26 +217,33 @@ class ModelRunner:
 
     # ---- speculative decoding ----------------------------------------------------------------------
     @torch.inference_mode()
-    def forward_with_hidden(self, sched: ScheduleBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model over a prefill or a verify batch (eager, whole): fp32 logits of each sequence's
-        last token (``EXTEND``) or of every token (``VERIFY``), and the final-norm hidden state of
-        every token ``[T, D]``, which the MTP module drafts from."""
-        batch = self.build_batch(sched)
-        if sched.mode is ForwardMode.VERIFY:
-            batch.tokens_per_seq = len(sched.seqs[0].tokens)
+    def forward_with_hidden(self, sched: ScheduleBatch | None,
+                            dp: DPInfo | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over a prefill or a verify batch (eager, whole; ``None``: an idle one): fp32
+        logits of each sequence's last token (``EXTEND``) or of every token (``VERIFY``), and the
+        final-norm hidden state of every token ``[T, D]``, which the MTP module drafts from."""
+        batch = self._spec_batch(sched, dp)
         hidden = self.run_layers(batch)  # [T, D]
-        rows = hidden if sched.mode is ForwardMode.VERIFY else hidden[batch.last_token_index()]
+        rows = hidden if batch.mode is ForwardMode.VERIFY else hidden[batch.last_token_index()]
         return self.model.compute_logits(rows, batch), hidden
 
     @torch.inference_mode()
-    def forward_mtp(self, sched: ScheduleBatch, prev_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_mtp(self, sched: ScheduleBatch | None, prev_hidden: torch.Tensor,
+                    dp: DPInfo | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP module over ``sched`` (each position's input token is the one after it, in
-        ``ScheduledSeq.tokens``) from the model's hidden states ``prev_hidden [T, D]`` at those
-        positions: fp32 logits of each sequence's last position ``[B, V]`` and its hidden states
-        ``[T, D]`` (the next draft step's ``prev_hidden``)."""
-        batch = self.build_batch(sched)
+        ``ScheduledSeq.tokens``; ``None``: an idle pass) from the model's hidden states
+        ``prev_hidden [T, D]`` at those positions: fp32 logits of each sequence's last position
+        ``[B, V]`` and its hidden states ``[T, D]`` (the next draft step's ``prev_hidden``)."""
+        batch = self._spec_batch(sched, dp)
         hidden = self.model.mtp(batch, prev_hidden, self.model.model.embed_tokens)
         return self.model.compute_logits(hidden[batch.last_token_index()], batch), hidden
+
+    def _spec_batch(self, sched: ScheduleBatch | None, dp: DPInfo | None) -> ForwardBatch:
+        batch = self.build_batch(sched or ScheduleBatch(ForwardMode.IDLE, []))
+        batch.dp = dp
+        if batch.mode is ForwardMode.VERIFY:
+            batch.tokens_per_seq = len(sched.seqs[0].tokens)
+        return batch
 
     # ---- two-batch overlap ----------------------------------------------------------------------
     def _overlaps(self, sched: ScheduleBatch | None, dp: DPInfo | None, all_logits: bool) -> bool:

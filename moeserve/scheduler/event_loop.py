@@ -62,7 +62,7 @@ def agree(groups: ParallelGroups, batch: ScheduleBatch | None, backend: str, dee
     that every rank has received). Picks the step's MoE mode, and with two-batch ``overlap`` whether
     the step splits in two micro-batches and every group's two halves (one collective for all)."""
     split = split_batch(batch, overlap.tbo_token_distribution_threshold) if overlap else None
-    mine = torch.tensor([batch.num_tokens if batch else 0, len(batch.seqs) if batch else 0,
+    mine = torch.tensor([batch.num_tokens if batch else 0, batch.num_logit_rows if batch else 0,
                          int(batch is not None and not batch.mode.is_decode), int(batch is not None), controls_seen,
                          *(split.sizes if split else (0, 0, 0, 0))])
     rows = mine.view(1, -1)
@@ -127,7 +127,13 @@ class EngineLoop:
             self.controls.run(controls_ready)  # every rank at this same step
             return dp is not None, dp
 
+        def agree_phase(batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:
+            """A further forward pass within the step (speculative decoding's draft passes)."""
+            dp, _ = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode, par.max_dispatch_tokens_per_rank)
+            return dp is not None, dp
+
         sched.agree = agree_step
+        sched.agree_phase = agree_phase
 
     def _tp_min(self, values: list[int]) -> list[int]:
         """The elementwise minimum of ``values`` over the attention-TP group (same length on every rank)."""
@@ -298,7 +304,8 @@ def _with_dispatch_cap(config: EngineConfig, groups: ParallelGroups) -> EngineCo
     capped = dataclasses.replace(
         sched, chunked_prefill_size=min(sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else cap, cap),
         max_prefill_tokens=min(sched.max_prefill_tokens, cap),
-        max_running_requests=min(sched.max_running_requests, cap))
+        # a verify step holds every request's drafts too
+        max_running_requests=min(sched.max_running_requests, max(cap // (config.spec.num_drafts + 1), 1)))
     return dataclasses.replace(config, scheduler=capped)
 
 

@@ -72,6 +72,9 @@ class Scheduler:
         """One process alone: no peers to agree with. The rank loop replaces these."""
         # (anyone has work, what every DP group runs): DP ranks run a step together
         self.agree: Callable[[ScheduleBatch | None], tuple[bool, DPInfo | None]] = lambda b: (b is not None, None)
+        # the same for a further forward pass within a step (speculative decoding's drafts)
+        self.agree_phase: Callable[[ScheduleBatch | None], tuple[bool, DPInfo | None]] = \
+            lambda b: (b is not None, None)
         # ranks that share a batch must append the same tokens: the leader's
         self.sample_sync: Callable[[SampleOutput], SampleOutput] = lambda out: out
         # ranks of an attention-TP group move a request on only when all of them see it ready
@@ -138,10 +141,12 @@ class Scheduler:
         the requests with news for their client (a new token, a finish)."""
         changed = self._expire_queued() + self.role.poll()
         batch = self.schedule()
+        if self.spec is not None:
+            batch = self.spec.prepare(batch)  # a decode step verifies drafts
         anyone, dp = self.agree(batch)
         self.ran_forward = anyone
         if anyone and self.spec is not None:
-            changed += self.spec.run(batch)
+            changed += self.spec.run(batch, dp)
         elif anyone:
             logits = self.runner.forward(batch, dp=dp)
             if batch is not None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moeserve.core import ForwardMode, Req, ScheduleBatch, ScheduledSeq
+from moeserve.core import DPInfo, ForwardMode, Req, ScheduleBatch, ScheduledSeq
 from moeserve.executor.sampler import SamplingInfo, apply_penalties, gather_logprobs
 from moeserve.executor.speculative import draw, target_probs, verify_greedy, verify_sampled
 
@@ -54,22 +54,33 @@ class SpecDecoder:
         self.draft_probs.pop(req.rid, None)
 
     # ---- a step -----------------------------------------------------------------------------
-    def run(self, batch: ScheduleBatch) -> list[Req]:
-        """Run ``batch`` (the scheduler's prefill or decode batch) speculatively; the requests with
-        news for their client."""
-        runner = self.sched.runner
-        if batch.mode is ForwardMode.EXTEND:
-            logits, hidden = runner.forward_with_hidden(batch)
+    def prepare(self, batch: ScheduleBatch | None) -> ScheduleBatch | None:
+        """The step to agree on: a decode batch becomes the verify of every request's drafts."""
+        if batch is None or batch.mode is not ForwardMode.DECODE:
+            return batch
+        return ScheduleBatch(ForwardMode.VERIFY, [self._verify_seq(s.req) for s in batch.seqs])
+
+    def run(self, batch: ScheduleBatch | None, dp: DPInfo | None = None) -> list[Req]:
+        """Run the step (``batch`` from ``prepare``; None: this rank idles while others work) and its
+        draft passes; the requests with news for their client. Every rank runs the same passes:
+        the model's, one of the MTP module over accepted positions, ``S - 1`` draft steps, each
+        agreed (``agree_phase``) so that the idle ranks join their collectives."""
+        logits, hidden = self.sched.runner.forward_with_hidden(batch, dp)
+        changed: list[Req] = []
+        inputs: tuple[list[ScheduledSeq], list[torch.Tensor], list[bool]] = ([], [], [])
+        if batch is not None and batch.mode is ForwardMode.EXTEND:
             completes = [seq.completes_fill for seq in batch.seqs]  # (before the first token is appended)
             changed = self.sched.process(batch, logits)
-            self._after_prefill(batch, hidden, completes)
-            return changed
-        verify = ScheduleBatch(ForwardMode.VERIFY, [self._verify_seq(s.req) for s in batch.seqs])
-        logits, hidden = runner.forward_with_hidden(verify)  # [B * (S + 1), V], [B * (S + 1), D]
-        width = self.num_drafts + 1
-        appended = [self._accept(seq.req, logits[i * width:(i + 1) * width]) for i, seq in enumerate(verify.seqs)]
-        self._after_verify(verify, appended, hidden)
-        return [seq.req for seq, n in zip(verify.seqs, appended) if n or seq.req.finished]
+            inputs = self._prefill_inputs(batch, completes)
+        elif batch is not None:  # VERIFY
+            width = self.num_drafts + 1
+            appended = [self._accept(seq.req, logits[i * width:(i + 1) * width]) for i, seq in enumerate(batch.seqs)]
+            changed = [seq.req for seq, n in zip(batch.seqs, appended) if n or seq.req.finished]
+            inputs = self._verify_inputs(batch, appended)
+        seqs, rows, wants = inputs
+        prev = hidden[torch.cat(rows)] if rows else hidden[:0]
+        self._draft(seqs, prev, wants)
+        return changed
 
     def _verify_seq(self, req: Req) -> ScheduledSeq:
         drafts = self.drafts[req.rid]
@@ -107,34 +118,33 @@ class SpecDecoder:
         return n
 
     # ---- drafting ---------------------------------------------------------------------------
-    def _after_prefill(self, batch: ScheduleBatch, hidden: torch.Tensor, completes: list[bool]) -> None:
-        """The MTP module over the chunk's positions (it needs their KV later), then drafts for the
-        requests whose prompt is done (``completes``) and that decode on."""
+    def _prefill_inputs(self, batch: ScheduleBatch,
+                        completes: list[bool]) -> tuple[list[ScheduledSeq], list[torch.Tensor], list[bool]]:
+        """The MTP module's pass over a prefill chunk's positions (it needs their KV later), with the
+        hidden-state rows of each; drafts for the requests whose prompt is done and decode on."""
         seqs, rows, wants, at = [], [], [], 0
         for seq, done in zip(batch.seqs, completes):
             n, req = seq.end - seq.start, seq.req
             if not req.finished and req.seq_len > seq.end:  # the token after the chunk is known
                 seqs.append(ScheduledSeq(req, seq.start, seq.end, tokens=req.fill_slice(seq.start + 1, seq.end + 1)))
-                rows.append(torch.arange(at, at + n, device=hidden.device))
+                rows.append(torch.arange(at, at + n))
                 wants.append(done)
             at += n
-        if seqs:
-            self._draft(seqs, hidden[torch.cat(rows)], wants)
+        return seqs, rows, wants
 
-    def _after_verify(self, verify: ScheduleBatch, appended: list[int], hidden: torch.Tensor) -> None:
-        """Give back the pages of the rejected drafts past what the next step needs, then run the
-        MTP module over the accepted positions and draft."""
+    def _verify_inputs(self, verify: ScheduleBatch,
+                       appended: list[int]) -> tuple[list[ScheduledSeq], list[torch.Tensor], list[bool]]:
+        """Give back the pages of the rejected drafts past what the next step needs; the MTP
+        module's pass over the accepted positions, every request that goes on drafting."""
         width, seqs, rows = self.num_drafts + 1, [], []
         for i, (seq, n) in enumerate(zip(verify.seqs, appended)):
             req = seq.req
             if req.finished or n == 0:
                 continue
             self._trim_pages(req)
-            start = seq.start
-            seqs.append(ScheduledSeq(req, start, start + n, tokens=req.output_ids[-n:]))
-            rows.append(torch.arange(i * width, i * width + n, device=hidden.device))
-        if seqs:
-            self._draft(seqs, hidden[torch.cat(rows)], [True] * len(seqs))
+            seqs.append(ScheduledSeq(req, seq.start, seq.start + n, tokens=req.output_ids[-n:]))
+            rows.append(torch.arange(i * width, i * width + n))
+        return seqs, rows, [True] * len(seqs)
 
     def _trim_pages(self, req: Req) -> None:
         pages = self.sched.pages
@@ -144,22 +154,31 @@ class SpecDecoder:
             del req.page_table[keep:]
 
     def _draft(self, seqs: list[ScheduledSeq], prev_hidden: torch.Tensor, wants: list[bool]) -> None:
-        """MTP over ``seqs`` (positions and their next tokens); for the ``wants`` ones a chain of
-        ``S`` drafts from its last position, each step one more position of the MTP module."""
-        runner = self.sched.runner
-        logits, hidden = runner.forward_mtp(ScheduleBatch(ForwardMode.EXTEND, seqs), prev_hidden)
-        last = torch.cumsum(torch.tensor([s.end - s.start for s in seqs], device=hidden.device), 0) - 1
-        keep = [i for i, w in enumerate(wants) if w]
-        if not keep:
+        """The MTP module over ``seqs`` (positions and their next tokens), then for the ``wants``
+        ones a chain of ``S`` drafts from the last position, each step one more position. Every
+        pass is agreed with the other ranks, so all run the same passes (an idle one for nothing)."""
+        sched, runner = self.sched, self.sched.runner
+        first = ScheduleBatch(ForwardMode.EXTEND, seqs) if seqs else None
+        anyone, dp = sched.agree_phase(first)
+        if not anyone:
             return
-        reqs, logits, hidden = [seqs[i].req for i in keep], logits[keep], hidden[last[keep]]
+        logits, hidden = runner.forward_mtp(first, prev_hidden, dp)
+        keep = [i for i, w in enumerate(wants) if w]
+        last = torch.tensor([s.end - s.start for s in seqs], dtype=torch.long).cumsum(0) - 1
+        reqs = [seqs[i].req for i in keep]
+        logits, hidden = logits[keep], hidden[last[keep].to(hidden.device)] if keep else hidden[:0]
         chains: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         for step in range(self.num_drafts):
             if step:  # one more position: the last draft is its input token
-                steps = [ScheduledSeq(r, r.seq_len - 2 + step, r.seq_len - 1 + step, tokens=[c[-1]])
-                         for r, c in zip(reqs, chains)]
-                logits, hidden = runner.forward_mtp(ScheduleBatch(ForwardMode.DECODE, steps), hidden)
+                steps = ScheduleBatch(ForwardMode.DECODE, [ScheduledSeq(r, r.seq_len - 2 + step, r.seq_len - 1 + step,
+                                                                         tokens=[c[-1]]) for r, c in zip(reqs, chains)])
+                anyone, dp = sched.agree_phase(steps if reqs else None)
+                if not anyone:
+                    break
+                logits, hidden = runner.forward_mtp(steps if reqs else None, hidden, dp)
+            if not reqs:
+                continue
             q = target_probs(logits, [_info(r, c) for r, c in zip(reqs, chains)])  # [B, V]
             for k, req in enumerate(reqs):
                 token = int(q[k].argmax()) if req.params.greedy else draw(q[k], req.generator)

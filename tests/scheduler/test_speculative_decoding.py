@@ -112,7 +112,7 @@ def test_settings_it_cannot_serve_are_refused(mtp_path, tmp_path):
     with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
         build_engine_config(mtp_path, speculative_algorithm="NEXTN", speculative_num_steps=2,
                             speculative_num_draft_tokens=2)
-    with pytest.raises(ValueError, match="speculative_algorithm.*one rank"):
+    with pytest.raises(ValueError, match="speculative_algorithm.*attention-TP size of 1"):
         build_engine_config(mtp_path, speculative_algorithm="NEXTN", tp_size=2)
     assert build_engine_config(mtp_path, speculative_algorithm="NEXTN", speculative_num_steps=3,
                                speculative_num_draft_tokens=4).spec.num_drafts == 3

@@ -1,0 +1,38 @@
+"""Speculative decoding under data-parallel attention and expert parallelism (gloo, real
+processes): every rank runs the same model and draft passes, idle ranks idle passes, and greedy
+tokens equal the single-process engine's without speculation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from moeserve.models.tiny import make_tiny_model
+from tests.distributed.layouts import ENGINE
+from tests.distributed.test_layouts import LAYOUTS
+
+LENGTHS = [(12, 20), (30, 4), (7, 16), (19, 3), (40, 12), (5, 2)]
+
+
+def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(2, 320, (n,), generator=gen).tolist() for n, _ in LENGTHS]
+    return prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def mtp_path(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("spec-layouts") / "v3"), preset="v3", seed=3, mtp=True)
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_path) -> list[list[int]]:
+    with LLM(mtp_path, **ENGINE) as llm:
+        return [o.token_ids for o in llm.generate(*_requests(), use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", ["tp4-dp4-auto-dense1", "tp4-dp4-lowlatency-dense4-redundant"])
+def test_dp_attention_and_ep_with_speculation_match_single_process(mtp_path, reference, name):
+    with LLM(mtp_path, **ENGINE, **LAYOUTS[name], speculative_algorithm="NEXTN", speculative_num_steps=2) as llm:
+        assert [o.token_ids for o in llm.generate(*_requests(), use_tqdm=False)] == reference
