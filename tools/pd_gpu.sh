@@ -21,14 +21,7 @@ if [ -d tmp/wheels ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site tmp/wheels/*.whl || status=1
 fi
 MODEL=/tmp/dsv3-4l
-python3 - "$MODEL" <<'PY'
-import json, os, sys
-from moeserve.planner import PRESETS
-hf = {k: v for k, v in PRESETS["dsv3"].items() if k != "quantization_config"}
-hf.update(num_hidden_layers=4, first_k_dense_replace=1, architectures=["DeepseekV3ForCausalLM"])
-os.makedirs(sys.argv[1], exist_ok=True)
-json.dump(hf, open(os.path.join(sys.argv[1], "config.json"), "w"))
-PY
+python3 tools/dsv3_config.py "$MODEL" --layers 4
 echo "=== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 [[ ${CHECKS:-1} == 1 ]] && step transfer "${TRANSFER_LIMIT:-120}" python3 -m moeserve.server.cli bench transfer --backend torch --device cuda \
     --json "$OUT/transfer_gpu.json"

@@ -29,6 +29,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--server-args", default="", help="flags of the server (both runs), one string")
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--no-warm-up", action="store_true", help="measure from the first request (the server still "
+                                                              "runs its own warm-up passes unless told not to)")
     add_workload_args(p)
     p.set_defaults(dataset="generated-shared-prefix")
     args = p.parse_args()
@@ -43,8 +45,9 @@ def main() -> int:
             warm_up = argparse.Namespace(**{**vars(run), "seed": args.seed + 1000, "gsp_num_groups": 4,
                                             "gsp_prompts_per_group": 16, "output_json": None, "plot": None,
                                             "disable_tqdm": True})
-            print(f"\n--- {name}: warm-up ---", flush=True)
-            run_serving_benchmark(warm_up)
+            if not args.no_warm_up:
+                print(f"\n--- {name}: warm-up ---", flush=True)
+                run_serving_benchmark(warm_up)
             run.output_json, run.plot = os.path.join(log_dir, f"{tag}.json"), None
             print(f"\n--- {name} ---", flush=True)
             results[name] = run_serving_benchmark(run)

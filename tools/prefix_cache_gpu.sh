@@ -17,14 +17,7 @@ if [ -d "$WHEELS" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl || exit 1
 fi
 MODEL=/tmp/dsv3-4l
-python3 - "$MODEL" <<'PY'
-import json, os, sys
-from moeserve.planner import PRESETS
-hf = {k: v for k, v in PRESETS["dsv3"].items() if k != "quantization_config"}
-hf.update(num_hidden_layers=4, first_k_dense_replace=1, architectures=["DeepseekV3ForCausalLM"])
-os.makedirs(sys.argv[1], exist_ok=True)
-json.dump(hf, open(os.path.join(sys.argv[1], "config.json"), "w"))
-PY
+python3 tools/dsv3_config.py "$MODEL" --layers 4
 echo "=== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1) $(git rev-parse --short HEAD 2>/dev/null)"
 SERVER="--model-path $MODEL --load-format dummy --device cuda --quantization fp8 --context-length 8192 \
 --max-running-requests 256 --cuda-graph-max-bs 256 --chunked-prefill-size 8192 --max-queued-requests 4096 \
@@ -32,7 +25,7 @@ SERVER="--model-path $MODEL --load-format dummy --device cuda --quantization fp8
 timeout "${LIMIT:-500}" python3 tools/prefix_cache_gpu.py --server-args "$SERVER" --log-dir "$OUT/logs" --disable-tqdm \
     --gsp-num-groups "${NUM_GROUPS:-8}" --gsp-prompts-per-group "${PER_GROUP:-32}" --gsp-system-prompt-len "${PREFIX:-2048}" \
     --gsp-question-len "${QUESTION:-128}" --gsp-output-len "${OUTPUT:-128}" --request-rate "${RATE:-inf}" \
-    --output-json "$OUT/prefix_cache.json" --plot "$OUT/prefix_cache.png"
+    --output-json "$OUT/prefix_cache.json" --plot "$OUT/prefix_cache.png" ${NO_WARM_UP:+--no-warm-up}
 status=$?
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
 echo "=== done, status $status"
