@@ -4,20 +4,22 @@ mean accept length, output tokens/s and whether the greedy outputs are identical
     python tools/spec_bench.py [--prompts 200] [--steps 1 2 3] [--device cpu] [--json out.json]
 
 The prompts are the tiny chat task's held-out prompts (``moeserve.models.tiny_chat``), all
-submitted at once, greedy; each setup runs once to warm up, then is timed.
+submitted at once, greedy; each setup runs once to warm up, then ``--repeats`` times: the median
+time counts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from moeserve import LLM, SamplingParams
 from moeserve.models.tiny_chat import embedded_model_path, held_out_prompts
 
 
-def run(prompts: list[str], device: str, **spec: int | str) -> dict:
+def run(prompts: list[str], device: str, repeats: int, **spec: int | str) -> dict:
     llm = LLM(embedded_model_path(), device=device, **spec)
     ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
            for p in prompts]
@@ -25,9 +27,12 @@ def run(prompts: list[str], device: str, **spec: int | str) -> dict:
     llm.generate(ids, params, use_tqdm=False)  # warm-up
     if llm.scheduler.spec is not None:
         llm.scheduler.spec.verified = llm.scheduler.spec.emitted = 0
-    start = time.perf_counter()
-    outs = llm.generate(ids, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(ids, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     tokens = sum(len(o.token_ids) for o in outs)
     spec_part = llm.scheduler.spec
     return {"tokens": [o.token_ids for o in outs], "seconds": seconds, "output_tokens_per_s": tokens / seconds,
@@ -39,13 +44,14 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=200)
     p.add_argument("--steps", type=int, nargs="*", default=[1, 2, 3])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     prompts = [q for q, _ in held_out_prompts(args.prompts, seed=0)]
-    plain = run(prompts, args.device)
+    plain = run(prompts, args.device, args.repeats)
     rows = {"plain": plain}
     for s in args.steps:
-        rows[f"NEXTN, {s} step{'s' * (s > 1)}"] = run(prompts, args.device, speculative_algorithm="NEXTN",
+        rows[f"NEXTN, {s} step{'s' * (s > 1)}"] = run(prompts, args.device, args.repeats, speculative_algorithm="NEXTN",
                                                       speculative_num_steps=s)
     print(f"{'':<18}{'accept length':>14}{'tokens/s':>10}{'identical':>10}")
     for name, r in rows.items():

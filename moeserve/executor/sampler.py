@@ -104,7 +104,7 @@ def apply_penalties(logits: Tensor, infos: list[SamplingInfo]) -> Tensor:
 
     Does not modify ``logits``. Count tensors are built only for the rows that need them.
     """
-    rows = [i for i, info in enumerate(infos) if _has_penalty(info.params)]
+    rows = [i for i, info in enumerate(infos) if has_penalty(info.params)]
     if not rows:
         return logits
     row_infos = [infos[i] for i in rows]
@@ -119,7 +119,7 @@ def apply_penalties(logits: Tensor, infos: list[SamplingInfo]) -> Tensor:
     return logits.index_copy(0, _index(rows, logits.device), sub)
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 

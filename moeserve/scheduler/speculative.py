@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moeserve.core import DPInfo, ForwardMode, Req, ScheduleBatch, ScheduledSeq
-from moeserve.executor.sampler import SamplingInfo, apply_penalties, gather_logprobs
+from moeserve.executor.sampler import SamplingInfo, apply_penalties, gather_logprobs, has_penalty
 from moeserve.executor.speculative import draw, target_probs, verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
@@ -74,7 +74,9 @@ class SpecDecoder:
             inputs = self._prefill_inputs(batch, completes)
         elif batch is not None:  # VERIFY
             width = self.num_drafts + 1
-            appended = [self._accept(seq.req, logits[i * width:(i + 1) * width]) for i, seq in enumerate(batch.seqs)]
+            argmax = _plain_argmax(logits, [s.req for s in batch.seqs for _ in range(width)])
+            appended = [self._accept(seq.req, logits[i * width:(i + 1) * width], argmax[i * width:(i + 1) * width])
+                        for i, seq in enumerate(batch.seqs)]
             changed = [seq.req for seq, n in zip(batch.seqs, appended) if n or seq.req.finished]
             inputs = self._verify_inputs(batch, appended)
         seqs, rows, wants = inputs
@@ -87,10 +89,13 @@ class SpecDecoder:
         return ScheduledSeq(req, req.seq_len - 1, req.seq_len + len(drafts), tokens=[req.output_ids[-1], *drafts])
 
     # ---- judging a chain --------------------------------------------------------------------
-    def _accept(self, req: Req, logits: torch.Tensor) -> int:
-        """Append what ``req``'s chain emits (``logits [S + 1, V]`` of the verify pass), a token at a
-        time with its stop conditions; the number appended. A failure fails the request alone."""
+    def _accept(self, req: Req, logits: torch.Tensor, argmax: list[int | None]) -> int:
+        """Append what ``req``'s chain emits (``logits [S + 1, V]`` of the verify pass; ``argmax``,
+        the rows' argmax when ``_plain_argmax`` took it), a token at a time with its stop
+        conditions; the number appended. A failure fails the request alone."""
         sched, drafts = self.sched, self.drafts.pop(req.rid)
+        if argmax[0] is not None:
+            return self._append(req, verify_greedy(argmax, drafts), None)
         try:
             infos = [_info(req, drafts[:j]) for j in range(len(drafts) + 1)]
             if req.params.greedy:
@@ -105,13 +110,17 @@ class SpecDecoder:
             logger.exception("verifying request %s failed", req.rid)
             sched.fail(req, f"speculative verification failed: {type(exc).__name__}: {exc}")
             return 0
+        return self._append(req, tokens, logprobs)
+
+    def _append(self, req: Req, tokens: list[int], logprobs: list | None) -> int:
+        """Append ``tokens`` to ``req`` one at a time, stopping where it finishes; how many."""
         self.verified += 1
-        for n, (token, logprob) in enumerate(zip(tokens, logprobs), start=1):
+        for n, token in enumerate(tokens, start=1):
             req.output_ids.append(token)
-            if logprob is not None:
-                req.output_logprobs.append(logprob)
+            if logprobs is not None and logprobs[n - 1] is not None:
+                req.output_logprobs.append(logprobs[n - 1])
             req.kv_len = req.seq_len - 1
-            sched.check_finished(req)
+            self.sched.check_finished(req)
             if req.finished:
                 break
         self.emitted += n
@@ -179,15 +188,30 @@ class SpecDecoder:
                 logits, hidden = runner.forward_mtp(steps if reqs else None, hidden, dp)
             if not reqs:
                 continue
-            q = target_probs(logits, [_info(r, c) for r, c in zip(reqs, chains)])  # [B, V]
+            argmax = _plain_argmax(logits, reqs)
+            others = [k for k, a in enumerate(argmax) if a is None]
+            q = target_probs(logits[others], [_info(reqs[k], chains[k]) for k in others]) if others else None  # [B', V]
             for k, req in enumerate(reqs):
-                token = int(q[k].argmax()) if req.params.greedy else draw(q[k], req.generator)
-                chains[k].append(token)
-                probs[k].append(q[k])
+                if argmax[k] is not None:
+                    chains[k].append(argmax[k])
+                    continue
+                row = q[others.index(k)]
+                chains[k].append(int(row.argmax()) if req.params.greedy else draw(row, req.generator))
+                probs[k].append(row)
         for req, chain, q in zip(reqs, chains, probs):
             self.drafts[req.rid] = chain
             if not req.params.greedy:
                 self.draft_probs[req.rid] = torch.stack(q)
+
+
+def _plain_argmax(logits: torch.Tensor, reqs: list[Req]) -> list[int | None]:
+    """Each row's argmax where its request is greedy without penalties or logprobs (one host sync
+    for them all), else None: those rows go through the sampler's arithmetic one by one."""
+    plain = [r.params.greedy and not has_penalty(r.params) and r.params.logprobs is None for r in reqs]
+    if not any(plain):
+        return [None] * len(reqs)
+    ids = logits.argmax(-1).tolist()
+    return [i if p else None for i, p in zip(ids, plain)]
 
 
 def _info(req: Req, extra: list[int]) -> SamplingInfo:
