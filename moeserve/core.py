@@ -272,7 +272,6 @@ class ForwardBatch:
     # many sequences: a two-batch-overlap micro-batch gives its whole batch's, so that splitting
     # a batch changes no sequence's order of reduction
     launch_batch_size: int | None = None
-    tokens_per_seq: int = 1  # VERIFY: query tokens per sequence (each sequence's last ones)
 
     def dp_info(self) -> DPInfo:
         return self.dp or DPInfo([self.num_tokens], [self.batch_size], "normal")
@@ -284,6 +283,11 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def tokens_per_seq(self) -> int:
+        """VERIFY: query tokens per sequence (each sequence's last ones; the same for all)."""
+        return self.extend_lens_cpu[0] if self.extend_lens_cpu else 1
 
     @property
     def seq_lens_cpu(self) -> list[int]:

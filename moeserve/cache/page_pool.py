@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-
-class Evictable(Protocol):
-    """Pages held only to be reused (a prefix cache's unlocked ones), given back on demand."""
-
-    @property
-    def num_evictable_pages(self) -> int: ...
-
-    @property
-    def num_cached_pages(self) -> int: ...
-
-    def evict(self, num_pages: int) -> int: ...
+if TYPE_CHECKING:
+    from moeserve.cache.prefix_cache import PrefixCache
 
 
 class PagePool:
@@ -33,9 +24,9 @@ class PagePool:
         self.capacity = num_pages - 1
         self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
         self._used: set[int] = set()
-        self.cache: Evictable | None = None
+        self.cache: PrefixCache | None = None
 
-    def attach(self, cache: Evictable) -> None:
+    def attach(self, cache: PrefixCache) -> None:
         self.cache = cache
 
     @property

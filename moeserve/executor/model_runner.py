@@ -241,8 +241,6 @@ class ModelRunner:
     def _spec_batch(self, sched: ScheduleBatch | None, dp: DPInfo | None) -> ForwardBatch:
         batch = self.build_batch(sched or ScheduleBatch(ForwardMode.IDLE, []))
         batch.dp = dp
-        if batch.mode is ForwardMode.VERIFY:
-            batch.tokens_per_seq = len(sched.seqs[0].tokens)
         return batch
 
     # ---- two-batch overlap ----------------------------------------------------------------------

@@ -135,12 +135,8 @@ def mla_decode(
     GPU kernel's launch (its split of each context) as for a batch of that many sequences, so a
     part of a batch gets bitwise the rows the whole would.
     """
-    if use_triton(q_latent):
-        from moeserve.kernels.triton import mla as triton_mla
-
-        return triton_mla.mla_decode(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, page_size=page_size,
-                                     launch_batch=launch_batch)
-    return mla_decode_ref(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale)
+    return mla_verify(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, 1, page_size=page_size,
+                      launch_batch=launch_batch)
 
 
 def mla_verify(

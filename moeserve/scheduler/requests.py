@@ -7,7 +7,6 @@ import itertools
 from collections.abc import Iterator
 
 from moeserve.cache import PagePool
-from moeserve.cache.prefix_cache import PrefixCache
 from moeserve.core import Req
 
 
@@ -46,7 +45,7 @@ def reuse_prefix(pages: PagePool, req: Req) -> None:
     the longest whole-page prefix of its tokens, pinned for it, and start its prefill past them. At
     least one token is left to compute: the step samples from its logits."""
     cache = pages.cache
-    if not isinstance(cache, PrefixCache) or req.page_table:
+    if cache is None or req.page_table:
         return
     match = cache.match(req.fill_slice(0, req.seq_len - 1))
     if match.pages:
@@ -62,7 +61,7 @@ def cache_prefix(pages: PagePool, req: Req) -> None:
     already held a page (a twin request computed it too), ``req`` takes the cache's and frees its
     own; it pins the longer prefix from here."""
     cache, n = pages.cache, req.kv_len // pages.page_size
-    if not isinstance(cache, PrefixCache) or n <= req.shared_pages:
+    if cache is None or n <= req.shared_pages:
         return
     node, cached = cache.insert(req.fill_slice(0, n * pages.page_size), req.page_table[:n])
     cache.lock(node)

@@ -63,10 +63,8 @@ class Scheduler:
     def _init_role(self, role: Role) -> None:
         self.role = role
         role.bind(self)
-        self.prefix_cache = None
         if role.caches_prefixes and not self.config.cache.disable_radix_cache:
-            self.prefix_cache = PrefixCache(self.pages)
-            self.pages.attach(self.prefix_cache)
+            self.pages.attach(PrefixCache(self.pages))
 
     def _init_collectives(self) -> None:
         """One process alone: no peers to agree with. The rank loop replaces these."""
@@ -125,6 +123,11 @@ class Scheduler:
         if req is self.prefill.chunked:
             return "prefilling"
         return "retracted" if req.num_retractions else "waiting"
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache the page pool evicts from (None: this role or the config has none)."""
+        return self.pages.cache
 
     @property
     def has_work(self) -> bool:

@@ -98,14 +98,14 @@ class SpecDecoder:
             return self._append(req, verify_greedy(argmax, drafts), None)
         try:
             infos = [_info(req, drafts[:j]) for j in range(len(drafts) + 1)]
+            penalized = apply_penalties(logits.float(), infos)  # [S + 1, V]
             if req.params.greedy:
-                target = apply_penalties(logits.float(), infos).argmax(-1).tolist()
-                tokens = verify_greedy(target, drafts)
+                tokens = verify_greedy(penalized.argmax(-1).tolist(), drafts)
             else:
                 tokens = verify_sampled(target_probs(logits, infos), self.draft_probs.pop(req.rid), drafts,
                                         req.generator)
-            logprobs = gather_logprobs(apply_penalties(logits[:len(tokens)].float(), infos[:len(tokens)]),
-                                       torch.tensor(tokens, device=logits.device), infos[:len(tokens)])
+            logprobs = gather_logprobs(penalized[:len(tokens)], torch.tensor(tokens, device=logits.device),
+                                       infos[:len(tokens)])
         except Exception as exc:
             logger.exception("verifying request %s failed", req.rid)
             sched.fail(req, f"speculative verification failed: {type(exc).__name__}: {exc}")
