@@ -482,6 +482,7 @@ class RunnerConfig:
 
 
 SPECULATIVE_ALGORITHMS = ("NEXTN",)
+PD_MAX_DRAFTS = 16  # draft tokens a PD first-token record carries (moeserve.disagg.roles)
 
 
 @dataclass(frozen=True)
@@ -536,11 +537,9 @@ class EngineConfig:
         if self.spec.enabled:
             _require(self.model.num_mtp_layers >= 1, "speculative_algorithm",
                      "NEXTN needs a checkpoint with an MTP module (num_nextn_predict_layers >= 1)")
-            _require(self.parallel.attn_tp_size == 1, "speculative_algorithm",
-                     "NEXTN needs an attention-TP size of 1 for now (tp_size 1, or DP attention with dp_size == "
-                     "tp_size)")
-            _require(self.disagg.disaggregation_mode == "null", "speculative_algorithm",
-                     "NEXTN is not yet supported with --disaggregation-mode")
+            _require(self.disagg.disaggregation_mode == "null" or self.spec.num_drafts <= PD_MAX_DRAFTS,
+                     "speculative_num_steps", f"must be at most {PD_MAX_DRAFTS} with --disaggregation-mode "
+                     "(the drafts travel in the first-token record)")
 
     @property
     def context_length(self) -> int:

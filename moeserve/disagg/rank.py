@@ -37,7 +37,7 @@ def _manager(role: str, config: EngineConfig, groups: ParallelGroups, runner: Mo
     kv = runner.kv_pool.buffer
     aux = torch.zeros(_aux_slots(config), AUX_WIDTH, dtype=torch.float64, device=kv.device)
     identity = RankIdentity(page_size=runner.page_size, kv_dtype=str(kv.dtype).removeprefix("torch."),
-                            num_layers=config.model.num_layers, model=model_fingerprint(config),
+                            num_layers=kv.shape[0], model=model_fingerprint(config), num_drafts=config.spec.num_drafts,
                             dp_rank=groups.dp_rank, tp_rank=groups.attn_tp.rank, attn_tp_size=groups.attn_tp.size,
                             attn_dp_size=groups.dp_size)
     bootstrap = (d.bootstrap_host, d.disaggregation_bootstrap_port) if role == "prefill" else None

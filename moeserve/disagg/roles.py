@@ -2,12 +2,20 @@
 
 ```
 prefill server:  bootstrap (wait for the decode side's page indices) -> prefill manager (chunked
-                 prefill; each finished chunk's pages pushed at once) -> in flight (the last push
-                 carries the aux record) -> done: pages freed, the request ends
+                 prefill; each finished chunk's pages pushed at the end of its step) -> in flight
+                 (the last push carries the aux record) -> done: pages freed, the request ends
 decode server:   pre-allocation (find the prefill rank, take pages for the prompt and an aux slot,
                  send their indices) -> transfer (poll) -> the running decode batch, first token
                  from the aux record, no prefill compute here
 ```
+
+With speculative decoding both sides hold the MTP layer's KV (the pool's last layer, pushed with
+the others). The prefill side runs the MTP module over each chunk within the chunk's step, which is
+why pushes wait for the end of the step; once the prompt is done it drafts a chain, taking each
+draft's argmax, and the chain rides in the aux record. The decode server's first step verifies it,
+as drawn from a point mass for sampled requests, so the rejection rule still keeps the output
+distribution. (The drafts, not the last hidden state: the prefill side must run the MTP module over
+the whole prompt anyway, for the KV the decode side's later drafts attend to.)
 
 The ranks of one attention-TP group move a request on only when every one of them sees it ready
 (``sched.tp_min`` over the states), so they keep scheduling the same batches.
@@ -21,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moeserve.config import PD_MAX_DRAFTS
 from moeserve.core import FinishReason, Req, TokenLogprob
 from moeserve.disagg.transfer.base import KVPoll
 from moeserve.disagg.transfer.manager import KVManager, KVReceiver, KVSender, MirrorSender
@@ -31,7 +40,8 @@ if TYPE_CHECKING:
     from moeserve.scheduler.scheduler import Scheduler
 
 MAX_TOP_LOGPROBS = 20
-AUX_WIDTH = 3 + 2 * MAX_TOP_LOGPROBS  # token id, its logprob, how many alternatives, their ids, their logprobs
+AUX_DRAFTS = 3 + 2 * MAX_TOP_LOGPROBS  # after: token id, its logprob, how many alternatives, their ids, their logprobs
+AUX_WIDTH = AUX_DRAFTS + 1 + PD_MAX_DRAFTS  # then how many drafts, the drafts
 DRAIN_TIMEOUT_S = 60.0  # an aborted room whose prefill side never confirms frees its pages after this
 
 
@@ -52,8 +62,9 @@ class SlotPool:
         return len(self._free)
 
 
-def write_aux(aux: torch.Tensor, slot: int, req: Req) -> None:
-    """The first token (and its logprobs, when asked) into ``aux[slot]``, float64 (exact for ids)."""
+def write_aux(aux: torch.Tensor, slot: int, req: Req, drafts: list[int] = ()) -> None:
+    """The first token (and its logprobs, when asked) and the draft chain after it into
+    ``aux[slot]``, float64 (exact for ids)."""
     row = torch.full((AUX_WIDTH,), math.nan, dtype=torch.float64)
     row[0] = req.output_ids[0]
     row[2] = 0
@@ -62,17 +73,21 @@ def write_aux(aux: torch.Tensor, slot: int, req: Req) -> None:
         row[1], row[2] = lp.logprob, len(lp.top)
         for i, (token, value) in enumerate(lp.top[:MAX_TOP_LOGPROBS]):
             row[3 + i], row[3 + MAX_TOP_LOGPROBS + i] = token, value
+    row[AUX_DRAFTS] = len(drafts)
+    row[AUX_DRAFTS + 1:AUX_DRAFTS + 1 + len(drafts)] = torch.tensor(drafts, dtype=torch.float64)
     aux[slot].copy_(row)
 
 
-def read_aux(aux: torch.Tensor, slot: int, want_logprobs: bool) -> tuple[int, TokenLogprob | None]:
+def read_aux(aux: torch.Tensor, slot: int, want_logprobs: bool) -> tuple[int, TokenLogprob | None, list[int]]:
+    """The first token, its logprobs (when asked) and the drafts of ``aux[slot]``."""
     row = aux[slot].cpu().tolist()
     token = int(row[0])
+    drafts = [int(t) for t in row[AUX_DRAFTS + 1:AUX_DRAFTS + 1 + int(row[AUX_DRAFTS])]]
     if not want_logprobs or math.isnan(row[1]):
-        return token, None
+        return token, None, drafts
     n = int(row[2])
     top = [(int(row[3 + i]), row[3 + MAX_TOP_LOGPROBS + i]) for i in range(n)]
-    return token, TokenLogprob(token, row[1], top)
+    return token, TokenLogprob(token, row[1], top), drafts
 
 
 def _agreed(sched: Scheduler, reqs: list[Req],
@@ -99,6 +114,12 @@ class PrefillRole(Role):
         self.senders: dict[str, KVSender | MirrorSender] = {}
         self.aux_of: dict[str, int] = {}
         self.sent_pages: dict[str, int] = {}
+        self.pushes: list[tuple[Req, int, bool]] = []  # this step's, sent at its end
+
+    def bind(self, sched: Scheduler) -> None:
+        super().bind(sched)
+        if sched.spec is not None:
+            sched.spec.greedy_drafts = True  # the decode side gets the chain, not its distributions
 
     def validate(self, req: Req) -> None:
         _needs_bootstrap(req, "prefill")
@@ -132,19 +153,27 @@ class PrefillRole(Role):
 
     def after_chunk(self, req: Req, start: int, end: int) -> None:
         if end < req.seq_len:  # the last chunk goes with the aux record, after sampling
-            self._push(req, end // self.sched.pages.page_size, last=False)
+            self.pushes.append((req, end // self.sched.pages.page_size, False))
 
     def after_prefill(self, req: Req) -> bool:
-        write_aux(self.manager.args.aux, self.aux_of[req.rid], req)
-        self._push(req, self.sched.pages.pages_for(len(req.prompt_ids)), last=True)
+        self.pushes.append((req, self.sched.pages.pages_for(len(req.prompt_ids)), True))
         self.in_flight.append(req)
         return False  # the decode server decides when it stops
 
-    def _push(self, req: Req, upto: int, last: bool) -> None:
-        first = self.sent_pages[req.rid]
-        if upto > first or last:
-            self.senders[req.rid].send(first, req.page_table[first:upto], last)
-            self.sent_pages[req.rid] = upto
+    def end_step(self) -> None:
+        """Push this step's chunks, now that every layer's KV of them is written (the MTP module's
+        runs after the model's), the last with its aux record and drafts."""
+        spec, pushes, self.pushes = self.sched.spec, self.pushes, []
+        for req, upto, last in pushes:
+            if req.rid not in self.senders:  # failed or aborted within the step
+                continue
+            if last:
+                drafts = spec.drafts.pop(req.rid, []) if spec is not None else []
+                write_aux(self.manager.args.aux, self.aux_of[req.rid], req, drafts)
+            first = self.sent_pages[req.rid]
+            if upto > first or last:
+                self.senders[req.rid].send(first, req.page_table[first:upto], last)
+                self.sent_pages[req.rid] = upto
 
     def _fail(self, req: Req) -> Req:
         message = self.senders[req.rid].message or "the KV transfer failed"
@@ -244,7 +273,8 @@ class DecodeRole(Role):
         return True
 
     def _start_decoding(self, req: Req) -> Req:
-        token, logprob = read_aux(self.manager.args.aux, self.aux_of[req.rid], req.params.logprobs is not None)
+        token, logprob, drafts = read_aux(self.manager.args.aux, self.aux_of[req.rid],
+                                          req.params.logprobs is not None)
         self._forget(req)
         req.output_ids.append(token)
         if logprob is not None:
@@ -252,6 +282,9 @@ class DecodeRole(Role):
         req.kv_len = len(req.prompt_ids)
         self.sched.decode.add(req)
         self.sched.check_finished(req)
+        spec = self.sched.spec
+        if spec is not None and not req.finished:
+            spec.drafts[req.rid] = drafts  # as many as this server drafts (the pair agreed on it)
         return req
 
     def _fail(self, req: Req) -> Req:

@@ -10,6 +10,12 @@ device tensors, so the same graph serves any context lengths.
 With two-batch overlap, buckets of at least ``overlap_from`` sequences are captured as two
 micro-batches of half the bucket each (the decode strategy of ``executor/overlap.py``), sized
 for their kernels' launches as the whole bucket, so they give the rows a whole-bucket graph would.
+
+Speculative decoding's steps have graphs of their own (``VerifyGraphs``, ``MtpGraphs``): every
+sequence carries the same ``width`` of new tokens (a verify step's last token and drafts; the MTP
+module's pass over them; a draft step's one), so a bucket is ``width`` rows a sequence and its
+padding sequences are ``width`` tokens on the padding slot. The graph sets of one runner share a
+memory pool: they never replay at once, and each keeps its outputs alive.
 """
 
 from __future__ import annotations
@@ -31,67 +37,68 @@ logger = logging.getLogger(__name__)
 PADDING_SLOT = 0  # in page 0, which the page pool never hands out
 
 
-class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, batch_sizes: list[int], overlap_from: int | None = None) -> None:
-        self.runner = runner
+class GraphBuckets:
+    """Graphs of one kind of step, a bucket of batch sizes each: the static buffers, the padding,
+    the capture and the replay. A subclass runs the step (``_run``) over the buffers."""
+
+    mode = ForwardMode.DECODE
+    name = "decode"
+
+    def __init__(self, runner: ModelRunner, batch_sizes: list[int], width: int = 1,
+                 pool: tuple | None = None) -> None:
+        self.runner, self.width = runner, width
         self.batch_sizes = sorted(set(batch_sizes))
-        self.overlap_from = overlap_from  # buckets this large run as two micro-batches (None: none)
         self.max_bs = self.batch_sizes[-1]
-        self._init_buffers(runner.device, runner.kv_pool.num_slots + self.max_bs)
+        self._init_buffers(runner.device, runner.kv_pool.num_slots + self.max_bs * width)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-        self._capture_all()
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.replays = 0
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
 
     def _init_buffers(self, device: torch.device, max_kv_tokens: int) -> None:
         zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.out_cache_loc = zeros(self.max_bs), zeros(self.max_bs), zeros(self.max_bs)
-        self.prefix_lens, self.extend_lens = zeros(self.max_bs), zeros(self.max_bs) + 1
+        rows = self.max_bs * self.width
+        self.input_ids, self.positions, self.out_cache_loc = zeros(rows), zeros(rows), zeros(rows)
+        self.prefix_lens, self.extend_lens = zeros(self.max_bs), zeros(self.max_bs) + self.width
         self.kv_indptr = zeros(self.max_bs + 1)
         self.kv_indices = zeros(max_kv_tokens)
-        self.steps = torch.arange(self.max_bs + 1, device=device)
+        self.steps = torch.arange(self.max_bs + 1, device=device) * self.width
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.mode.is_decode and 0 < batch.batch_size <= self.max_bs
-
-    def overlapped(self, bs: int) -> bool:
-        """Whether bucket ``bs`` is captured as two micro-batches."""
-        return self.overlap_from is not None and bs >= max(self.overlap_from, 2)
+        return (batch.mode is self.mode and 0 < batch.batch_size <= self.max_bs
+                and batch.num_tokens == batch.batch_size * self.width)
 
     def _static_batch(self, lo: int, hi: int, launch: int | None = None) -> ForwardBatch:
-        """Rows ``lo:hi`` of the buffers as a decode batch; a later part's ``kv_indptr`` does not
+        """Sequences ``lo:hi`` of the buffers as a batch; a later part's ``kv_indptr`` does not
         start at 0, which the kernels allow (they read each sequence's bounds)."""
-        n = hi - lo
+        n, w = hi - lo, self.width
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=self.input_ids[lo:hi], positions=self.positions[lo:hi],
-            out_cache_loc=self.out_cache_loc[lo:hi], prefix_lens=self.prefix_lens[lo:hi],
+            mode=self.mode, input_ids=self.input_ids[lo * w:hi * w], positions=self.positions[lo * w:hi * w],
+            out_cache_loc=self.out_cache_loc[lo * w:hi * w], prefix_lens=self.prefix_lens[lo:hi],
             extend_lens=self.extend_lens[lo:hi], kv_indptr=self.kv_indptr[lo:hi + 1], kv_indices=self.kv_indices,
-            prefix_lens_cpu=[0] * n, extend_lens_cpu=[1] * n, kv_pool=self.runner.kv_pool,
+            prefix_lens_cpu=[0] * n, extend_lens_cpu=[w] * n, kv_pool=self.runner.kv_pool,
             page_size=self.runner.page_size,  # the padding slot is token 0 of page 0
             launch_batch_size=launch,
         )
 
-    def _run(self, bs: int) -> torch.Tensor:
-        """The logits of bucket ``bs`` (a row a sequence), whole or as two micro-batches."""
-        runner, whole = self.runner, self._static_batch(0, bs)
-        if not self.overlapped(bs):
-            return runner.model.compute_logits(runner.run_layers(whole), whole)
-        half = (bs + 1) // 2  # as ``overlap.split_batch`` halves a decode batch
-        parts = (self._static_batch(0, half, launch=bs), self._static_batch(half, bs, launch=bs))
-        return runner.model.compute_logits(torch.cat(runner.run_layers_two(parts, extend=False)), whole)
+    def _run(self, bs: int) -> tuple[torch.Tensor, ...]:
+        """The step over bucket ``bs``'s buffers; its outputs, ``width`` rows a sequence or one."""
+        raise NotImplementedError
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
-        # largest first: the smaller graphs reuse the first one's memory pool
-        for bs in tqdm(reversed(self.batch_sizes), total=len(self.batch_sizes), desc="capturing CUDA graphs",
-                       unit="graph", leave=False):
+    def capture_all(self) -> GraphBuckets:
+        # largest first: the smaller graphs reuse the first one's memory
+        for bs in tqdm(reversed(self.batch_sizes), total=len(self.batch_sizes),
+                       desc=f"capturing {self.name} CUDA graphs", unit="graph", leave=False):
             self._capture(bs)
-        logger.info("captured %d decode CUDA graphs for batch sizes up to %d", len(self.graphs), self.max_bs)
+        logger.info("captured %d %s CUDA graphs for batch sizes up to %d", len(self.graphs), self.name, self.max_bs)
+        return self
 
     def _capture(self, bs: int) -> None:
+        rows = bs * self.width
         self.kv_indptr[:bs + 1].copy_(self.steps[:bs + 1])  # every dummy sequence: the padding slot
-        self.kv_indices[:bs].fill_(PADDING_SLOT)
-        self.out_cache_loc[:bs].fill_(PADDING_SLOT)
+        self.kv_indices[:rows].fill_(PADDING_SLOT)
+        self.out_cache_loc[:rows].fill_(PADDING_SLOT)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile kernels and warm up libraries outside the capture
@@ -100,21 +107,97 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[bs] = self._run(bs)
+            self.outputs[bs] = self._run(bs)
         self.graphs[bs] = graph
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits ``[B, V]`` of a decode batch of ``B <= max_bs`` sequences."""
-        n = batch.batch_size
+    def load(self, batch: ForwardBatch) -> int:
+        """Copy ``batch`` into the buffers, padded with dummy sequences up to its bucket; the bucket."""
+        n, w = batch.batch_size, self.width
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         for static, live in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
                              (self.out_cache_loc, batch.out_cache_loc)):
-            static[:n].copy_(live)
-            static[n:bs].fill_(PADDING_SLOT if static is self.out_cache_loc else 0)
+            static[:n * w].copy_(live)
+            static[n * w:bs * w].fill_(PADDING_SLOT if static is self.out_cache_loc else 0)
         total = batch.kv_indices.shape[0]
         self.kv_indices[:total].copy_(batch.kv_indices)
-        self.kv_indices[total:total + bs - n].fill_(PADDING_SLOT)
+        self.kv_indices[total:total + (bs - n) * w].fill_(PADDING_SLOT)
         self.kv_indptr[:n + 1].copy_(batch.kv_indptr)
         self.kv_indptr[n + 1:bs + 1] = batch.kv_indptr[n] + self.steps[1:bs - n + 1]
+        return bs
+
+    def play(self, bs: int, rows: int) -> tuple[torch.Tensor, ...]:
+        """Replay bucket ``bs``; the first ``rows`` rows of each output, copied (the next replay
+        overwrites the captured outputs)."""
         self.graphs[bs].replay()
-        return self.logits[bs][:n].clone()  # the next replay overwrites the captured output
+        self.replays += 1
+        return tuple(out[:rows].clone() for out in self.outputs[bs])
+
+
+class CudaGraphRunner(GraphBuckets):
+    """Decode steps: the logits of each sequence's token."""
+
+    def __init__(self, runner: ModelRunner, batch_sizes: list[int], overlap_from: int | None = None,
+                 pool: tuple | None = None) -> None:
+        super().__init__(runner, batch_sizes, 1, pool)
+        self.overlap_from = overlap_from  # buckets this large run as two micro-batches (None: none)
+        self.capture_all()
+
+    def overlapped(self, bs: int) -> bool:
+        """Whether bucket ``bs`` is captured as two micro-batches."""
+        return self.overlap_from is not None and bs >= max(self.overlap_from, 2)
+
+    def _run(self, bs: int) -> tuple[torch.Tensor, ...]:
+        """The logits of bucket ``bs`` (a row a sequence), whole or as two micro-batches."""
+        runner, whole = self.runner, self._static_batch(0, bs)
+        if not self.overlapped(bs):
+            return (runner.model.compute_logits(runner.run_layers(whole), whole),)
+        half = (bs + 1) // 2  # as ``overlap.split_batch`` halves a decode batch
+        parts = (self._static_batch(0, half, launch=bs), self._static_batch(half, bs, launch=bs))
+        return (runner.model.compute_logits(torch.cat(runner.run_layers_two(parts, extend=False)), whole),)
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits ``[B, V]`` of a decode batch of ``B <= max_bs`` sequences."""
+        return self.play(self.load(batch), batch.batch_size)[0]
+
+
+class VerifyGraphs(GraphBuckets):
+    """Speculative verify steps of ``width`` tokens a sequence: fp32 logits and final-norm hidden
+    states of every token."""
+
+    mode = ForwardMode.VERIFY
+    name = "verify"
+
+    def _run(self, bs: int) -> tuple[torch.Tensor, ...]:
+        batch = self._static_batch(0, bs)
+        hidden = self.runner.run_layers(batch)
+        return self.runner.model.compute_logits(hidden, batch), hidden
+
+    def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden = self.play(self.load(batch), batch.num_tokens)
+        return logits, hidden
+
+
+class MtpGraphs(GraphBuckets):
+    """The MTP module over ``width`` positions a sequence (``width > 1``: the positions a verify
+    step judged, in ``VERIFY`` mode; 1: a draft step) from the model's hidden states there, held in
+    a buffer of their own: the module's hidden states (its logits are taken outside, of the rows
+    that draft)."""
+
+    name = "MTP"
+
+    def __init__(self, runner: ModelRunner, batch_sizes: list[int], width: int = 1,
+                 pool: tuple | None = None) -> None:
+        super().__init__(runner, batch_sizes, width, pool)
+        self.mode = ForwardMode.VERIFY if width > 1 else ForwardMode.DECODE
+        cfg = runner.config.model
+        self.prev_hidden = torch.zeros(self.max_bs * width, cfg.hidden_size, dtype=runner.dtype, device=runner.device)
+
+    def _run(self, bs: int) -> tuple[torch.Tensor, ...]:
+        model = self.runner.model
+        return (model.mtp(self._static_batch(0, bs), self.prev_hidden[:bs * self.width], model.model.embed_tokens),)
+
+    def replay(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
+        bs, rows = self.load(batch), batch.num_tokens
+        self.prev_hidden[:rows].copy_(prev_hidden)
+        self.prev_hidden[rows:bs * self.width].zero_()
+        return self.play(bs, rows)[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
@@ -18,7 +19,7 @@ from moeserve.eplb.manager import EplbManager
 from moeserve.eplb.placement import ExpertPlacement
 from moeserve.eplb.recorder import ALL_TOKENS, ExpertRecorder
 from moeserve.executor import overlap
-from moeserve.executor.cuda_graph import CudaGraphRunner
+from moeserve.executor.cuda_graph import CudaGraphRunner, MtpGraphs, VerifyGraphs
 from moeserve.executor.expert_weights import make_expert_weights
 from moeserve.layers.moe import MoEOptions
 from moeserve.models.checkpoint import model_fingerprint
@@ -39,6 +40,8 @@ class ModelRunner:
         self.tbo_min_tokens = config.runner.tbo_min_tokens  # alone, a step this large overlaps
         self.eplb = self._init_eplb()
         self._init_kv_cache()
+        self.verify_graphs: VerifyGraphs | None = None  # speculative decoding's, with its MTP graphs
+        self.mtp_graphs: dict[int, MtpGraphs] = {}  # by tokens a sequence
         self.graph_runner = self._init_cuda_graphs()
         if self.eplb is not None and config.eplb.enable_eplb:  # online rebalancing plans from what it
             self.eplb.recorder.start()  # records: from the first pass on (not the graphs' warm-up)
@@ -125,19 +128,25 @@ class ModelRunner:
         return PagePool(self.num_pages, self.page_size)
 
     def _init_cuda_graphs(self) -> CudaGraphRunner | None:
-        """Decode graphs on CUDA for a single rank. With several ranks a step's shapes depend on
+        """Decode graphs on CUDA for a single rank (with speculative decoding: verify and MTP
+        graphs instead, whose steps replace decode's). With several ranks a step's shapes depend on
         what the other DP ranks run, so those keep launching kernels one by one for now."""
         cfg = self.config
         if self.device.type != "cuda" or cfg.runner.disable_cuda_graph or cfg.parallel.world_size > 1:
             return None
         if cfg.eplb.recorder_mode == "per_token":  # its token streams are kept per step, outside a graph
             return None
-        if cfg.spec.enabled:  # speculative verify and draft steps run eagerly for now
+        sizes = cfg.runner.graph_batch_sizes(cfg.scheduler.max_running_requests)
+        if cfg.spec.enabled:
+            width, pool = cfg.spec.num_drafts + 1, torch.cuda.graph_pool_handle()
+            self.verify_graphs = VerifyGraphs(self, sizes, width, pool).capture_all()
+            for w in sorted({width, 1} if cfg.spec.num_drafts > 1 else {width}, reverse=True):
+                self.mtp_graphs[w] = MtpGraphs(self, sizes, w, pool).capture_all()
             return None
         # the recorder's ``valid`` counts a bucket's first rows: one pass, not two micro-batches
         overlap_from = (self.tbo_min_tokens if cfg.runner.enable_two_batch_overlap and self.moe_options.recorder is None
                         else None)
-        return CudaGraphRunner(self, cfg.runner.graph_batch_sizes(cfg.scheduler.max_running_requests), overlap_from)
+        return CudaGraphRunner(self, sizes, overlap_from)
 
     def _kv_budget_bytes(self) -> int:
         cache_cfg = self.config.cache
@@ -155,8 +164,8 @@ class ModelRunner:
         ends = [s.end for s in seqs]
         extends = [e - b for b, e in zip(starts, ends)]
         n_pages = [-(-e // page_size) for e in ends]
-        table = np.concatenate([np.asarray(s.req.page_table[:n], dtype=np.int64) for s, n in zip(seqs, n_pages)]
-                               or [np.zeros(0, dtype=np.int64)])
+        table = np.fromiter(itertools.chain.from_iterable(s.req.page_table[:n] for s, n in zip(seqs, n_pages)),
+                            dtype=np.int64)
         on_dev = lambda values: torch.tensor(values, dtype=torch.int64, device=dev)
         input_ids = on_dev([i for s in seqs for i in (s.tokens if s.tokens is not None
                                                       else s.req.fill_slice(s.start, s.end))])
@@ -189,12 +198,16 @@ class ModelRunner:
             batch = self.build_batch(sched or ScheduleBatch(ForwardMode.IDLE, []))
             batch.dp = dp
             logits = self._forward(batch, all_logits)
+        self._after_pass(sched, batch)
+        return logits
+
+    def _after_pass(self, sched: ScheduleBatch | None, batch: ForwardBatch) -> None:
+        """The expert recorder's end of a step's pass of the model (EPLB)."""
         if self.eplb is not None:
             positions = None
             if self.eplb.recorder.mode == "per_token":  # this rank's tokens in the MoE layers
                 positions = batch.positions[self.model.layout.my_slice(batch.dp_info())]
-            self.eplb.after_forward(sched is not None and not sched.mode.is_decode, positions)
-        return logits
+            self.eplb.after_forward(sched is not None and sched.mode is ForwardMode.EXTEND, positions)
 
     def _forward(self, batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
         recorder = self.moe_options.recorder
@@ -222,21 +235,40 @@ class ModelRunner:
         """The model over a prefill or a verify batch (eager, whole; ``None``: an idle one): fp32
         logits of each sequence's last token (``EXTEND``) or of every token (``VERIFY``), and the
         final-norm hidden state of every token ``[T, D]``, which the MTP module drafts from."""
+        if self.eplb is not None:
+            self.eplb.before_forward()
         batch = self._spec_batch(sched, dp)
-        hidden = self.run_layers(batch)  # [T, D]
-        rows = hidden if batch.mode is ForwardMode.VERIFY else hidden[batch.last_token_index()]
-        return self.model.compute_logits(rows, batch), hidden
+        recorder = self.moe_options.recorder
+        if self.verify_graphs is not None and self.verify_graphs.can_run(batch):
+            if recorder is not None:  # the bucket's padding rows are not tokens
+                recorder.valid.fill_(batch.num_tokens)
+            logits, hidden = self.verify_graphs.replay(batch)
+        else:
+            if recorder is not None:
+                recorder.valid.fill_(ALL_TOKENS)
+            hidden = self.run_layers(batch)  # [T, D]
+            rows = hidden if batch.mode is ForwardMode.VERIFY else hidden[batch.last_token_index()]
+            logits = self.model.compute_logits(rows, batch)
+        self._after_pass(sched, batch)
+        return logits, hidden
 
     @torch.inference_mode()
-    def forward_mtp(self, sched: ScheduleBatch | None, prev_hidden: torch.Tensor,
-                    dp: DPInfo | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_mtp(self, sched: ScheduleBatch | None, prev_hidden: torch.Tensor, dp: DPInfo | None = None,
+                    rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP module over ``sched`` (each position's input token is the one after it, in
         ``ScheduledSeq.tokens``; ``None``: an idle pass) from the model's hidden states
-        ``prev_hidden [T, D]`` at those positions: fp32 logits of each sequence's last position
-        ``[B, V]`` and its hidden states ``[T, D]`` (the next draft step's ``prev_hidden``)."""
+        ``prev_hidden [T, D]`` at those positions: fp32 logits of the rows ``rows`` (one a
+        sequence; default each sequence's last position) ``[B, V]`` and the module's hidden states
+        ``[T, D]`` (a draft step's ``prev_hidden``)."""
         batch = self._spec_batch(sched, dp)
-        hidden = self.model.mtp(batch, prev_hidden, self.model.model.embed_tokens)
-        return self.model.compute_logits(hidden[batch.last_token_index()], batch), hidden
+        graphs = self.mtp_graphs.get(batch.tokens_per_seq)
+        if graphs is not None and graphs.can_run(batch):
+            hidden = graphs.replay(batch, prev_hidden)
+        else:
+            hidden = self.model.mtp(batch, prev_hidden, self.model.model.embed_tokens)
+        if rows is None:
+            rows = batch.last_token_index()
+        return self.model.compute_logits(hidden[rows], batch), hidden
 
     def _spec_batch(self, sched: ScheduleBatch | None, dp: DPInfo | None) -> ForwardBatch:
         batch = self.build_batch(sched or ScheduleBatch(ForwardMode.IDLE, []))

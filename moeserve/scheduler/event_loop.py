@@ -47,6 +47,7 @@ from moeserve.scheduler.io import (
 from moeserve.scheduler.ranks import RankAddresses
 from moeserve.scheduler.roles import make_role
 from moeserve.scheduler.scheduler import Scheduler
+from moeserve.scheduler.speculative import Verdict
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
@@ -106,6 +107,7 @@ class EngineLoop:
         self.codec = Codec(EngineInput)
         self._peer_codec = Codec(list[EngineInput])  # messages the leader shares with its TP peers
         self._sample_codec = Codec(SampleOutput)
+        self._verdict_codec = Codec(Verdict)
         if self.is_leader and addrs is not None:
             self._init_sockets(addrs, groups.dp_rank)
         self._sent: dict[str, int] = {}  # rid -> output tokens already sent (the leader sends, so only it counts)
@@ -117,6 +119,7 @@ class EngineLoop:
         par, sched = self.config.parallel, self.scheduler
         overlap = self.config.runner if self.config.runner.enable_two_batch_overlap else None
         sched.sample_sync = self._share_samples
+        sched.verdict_sync = lambda verdict: self._from_leader(self._verdict_codec, verdict)
         sched.tp_min = self._tp_min
 
         def agree_step(batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:

@@ -1,7 +1,8 @@
 """Roles: where a request goes at each point of its life. The scheduler asks its role when a
-request arrives, once per step (``poll``), after each prefill chunk and after the prefill, and
-when a request is aborted. ``MixedRole`` is the monolithic server; the prefill and decode roles
-of disaggregated serving live in ``moeserve.disagg``."""
+request arrives, once per step (``poll``), after each prefill chunk and after the prefill, at
+the end of the step (``end_step``), and when a request is aborted. ``MixedRole`` is the
+monolithic server; the prefill and decode roles of disaggregated serving live in
+``moeserve.disagg``."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ class Role(ABC):
     def after_prefill(self, req: Req) -> bool:
         """``req`` finished its prefill and sampled its first token; True when the scheduler should
         check its stop conditions (it decodes on here)."""
+
+    def end_step(self) -> None:
+        """The step's forward passes are done (speculative decoding's MTP passes run after the
+        model's: PD pushes a chunk's KV only now)."""
 
     def stage(self, req: Req) -> str | None:
         """The name of the role's queue that holds ``req``, if one does (for the abort counters)."""

@@ -18,7 +18,7 @@ from moeserve.scheduler.decode import DecodeManager
 from moeserve.scheduler.prefill import PrefillManager
 from moeserve.scheduler.requests import RequestTable, release_pages
 from moeserve.scheduler.roles import MixedRole, Role
-from moeserve.scheduler.speculative import SpecDecoder
+from moeserve.scheduler.speculative import SpecDecoder, Verdict
 from moeserve.scheduler.validation import check_request
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class Scheduler:
     aborted request: the request table, the page allocator, a prefill manager (admission and
     chunking), a decode manager (running batch, retraction) and a role (where a request goes
     next). ``step`` drives the offline ``LLM`` and the rank processes alike; the rank loop injects
-    only its collectives (``agree``, ``sample_sync``, ``tp_min``)."""
+    only its collectives (``agree``, ``sample_sync``, ``verdict_sync``, ``tp_min``)."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Detokenizer | None = None,
                  role: Role | None = None) -> None:
@@ -75,6 +75,7 @@ class Scheduler:
             lambda b: (b is not None, None)
         # ranks that share a batch must append the same tokens: the leader's
         self.sample_sync: Callable[[SampleOutput], SampleOutput] = lambda out: out
+        self.verdict_sync: Callable[[Verdict], Verdict] = lambda out: out  # (speculative verify steps)
         # ranks of an attention-TP group move a request on only when all of them see it ready
         self.tp_min: Callable[[list[int]], list[int]] = lambda values: values
         self.ran_forward = False
@@ -154,6 +155,7 @@ class Scheduler:
             logits = self.runner.forward(batch, dp=dp)
             if batch is not None:
                 changed += self.process(batch, logits)
+        self.role.end_step()
         return changed
 
     def _expire_queued(self) -> list[Req]:

@@ -1,6 +1,7 @@
-"""Speculative decoding under data-parallel attention and expert parallelism (gloo, real
-processes): every rank runs the same model and draft passes, idle ranks idle passes, and greedy
-tokens equal the single-process engine's without speculation."""
+"""Speculative decoding under data-parallel attention, attention TP and expert parallelism (gloo,
+real processes): every rank runs the same model and draft passes, idle ranks idle passes, the
+ranks of an attention-TP group append their leader's tokens, and greedy tokens equal the
+single-process engine's without speculation."""
 
 from __future__ import annotations
 
@@ -32,7 +33,22 @@ def reference(mtp_path) -> list[list[int]]:
         return [o.token_ids for o in llm.generate(*_requests(), use_tqdm=False)]
 
 
-@pytest.mark.parametrize("name", ["tp4-dp4-auto-dense1", "tp4-dp4-lowlatency-dense4-redundant"])
+@pytest.mark.parametrize("name", ["tp4-dp4-auto-dense1", "tp4-dp4-lowlatency-dense4-redundant", "tp2",
+                                  "tp4-dp2-normal-dense2-dplmhead"])
 def test_dp_attention_and_ep_with_speculation_match_single_process(mtp_path, reference, name):
     with LLM(mtp_path, **ENGINE, **LAYOUTS[name], speculative_algorithm="NEXTN", speculative_num_steps=2) as llm:
         assert [o.token_ids for o in llm.generate(*_requests(), use_tqdm=False)] == reference
+
+
+def test_sampled_speculation_under_attention_tp_follows_the_leader(mtp_path):
+    """Unseeded and seeded sampled requests under attention TP 2: the ranks keep to the leader's
+    draws (different tokens on two ranks would split their batches and stall their collectives),
+    every request gets its tokens, and a seed gives the same output twice."""
+    prompts, _ = _requests()
+    params = [SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True, seed=i if i % 2 else None)
+              for i, (_, m) in enumerate(LENGTHS)]
+    with LLM(mtp_path, **ENGINE, **LAYOUTS["tp2"], speculative_algorithm="NEXTN", speculative_num_steps=2) as llm:
+        runs = [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]
+    for run in runs:
+        assert [len(o.token_ids) for o in run] == [m for _, m in LENGTHS]
+    assert [o.token_ids for o in runs[0]][1::2] == [o.token_ids for o in runs[1]][1::2]

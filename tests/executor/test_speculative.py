@@ -65,3 +65,22 @@ def test_rejection_rule_emits_the_target_distribution():
     assert chi_square_p_value(second, p[1] * second.sum()) > 1e-3
     # and the rule can fail: the drafts' own distribution is far from p
     assert chi_square_p_value(q[0] * n, p[0] * n) < 1e-6
+
+
+def test_rejection_rule_with_drafts_from_a_point_mass():
+    """A chain drafted greedily (a PD prefill server's) is judged as drawn from a one-hot q: the
+    emitted tokens still follow p (chi-square, 20,000 chains)."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 6
+    p = torch.softmax(torch.randn(3, vocab, generator=gen) * 1.5, -1)
+    drafts = [int(p[0].argmin()), int(p[1].argmax())]
+    q = torch.nn.functional.one_hot(torch.tensor(drafts), vocab).float()
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    n = 20_000
+    for _ in range(n):
+        out = verify_sampled(p, q, drafts, gen)
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    assert chi_square_p_value(first, p[0] * n) > 1e-3
+    assert chi_square_p_value(second, p[1] * second.sum()) > 1e-3

@@ -89,16 +89,28 @@ def test_sampled_tokens_follow_the_same_distribution(mtp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("steps", [1, 2])
-def test_greedy_tokens_on_the_gpu(mtp_path, steps):
+def test_greedy_tokens_on_the_gpu(mtp_path, steps, graphs):
     """Verify runs absorbed MLA with several queries a sequence on the GPU kernels (fp32, so that the
-    kernels' other reduction orders stay far below the gaps between top logits)."""
+    kernels' other reduction orders stay far below the gaps between top logits); with graphs, the
+    verify, the MTP pass after it and the draft steps replay CUDA graphs, and so does the run
+    without speculation that gives the reference."""
     prompts = _prompts([9, 40, 3, 20, 26, 64, 1])
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    outs = []
+    outs, accepts = [], []
     for settings in ({}, {"speculative_algorithm": "NEXTN", "speculative_num_steps": steps}):
-        with LLM(mtp_path, device="cuda", dtype="float32", page_size=16, max_total_tokens=4096, **settings) as llm:
+        with LLM(mtp_path, device="cuda", dtype="float32", page_size=16, max_total_tokens=4096,
+                 disable_cuda_graph=not graphs, **settings) as llm:
             outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            runner = llm.runner
+            if settings and graphs:
+                assert runner.verify_graphs is not None and runner.graph_runner is None
+                assert sorted(runner.mtp_graphs) == sorted({steps + 1} | ({1} if steps > 1 else set()))
+                assert runner.verify_graphs.replays > 0 and all(g.replays > 0 for g in runner.mtp_graphs.values())
+                assert llm.scheduler.spec.verified > 0
+            elif settings:
+                assert runner.verify_graphs is None and not runner.mtp_graphs
     assert outs[0] == outs[1]
 
 
@@ -112,7 +124,8 @@ def test_settings_it_cannot_serve_are_refused(mtp_path, tmp_path):
     with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
         build_engine_config(mtp_path, speculative_algorithm="NEXTN", speculative_num_steps=2,
                             speculative_num_draft_tokens=2)
-    with pytest.raises(ValueError, match="speculative_algorithm.*attention-TP size of 1"):
-        build_engine_config(mtp_path, speculative_algorithm="NEXTN", tp_size=2)
+    with pytest.raises(ValueError, match="speculative_num_steps.*at most 16 with --disaggregation-mode"):
+        build_engine_config(mtp_path, speculative_algorithm="NEXTN", speculative_num_steps=17,
+                            disaggregation_mode="decode")
     assert build_engine_config(mtp_path, speculative_algorithm="NEXTN", speculative_num_steps=3,
                                speculative_num_draft_tokens=4).spec.num_drafts == 3

@@ -60,15 +60,16 @@ class RankIdentity:
 
     page_size: int
     kv_dtype: str
-    num_layers: int
+    num_layers: int  # of the KV cache (the model's, and the MTP module's with speculative decoding)
     model: str  # a fingerprint of the model (config and weight files)
+    num_drafts: int = 0  # speculative decoding's draft tokens per step (0: off)
     dp_rank: int = 0
     tp_rank: int = 0
     attn_tp_size: int = 1
     attn_dp_size: int = 1
 
     def mismatches(self, other: RankIdentity) -> list[str]:
-        names = ("page_size", "kv_dtype", "num_layers", "model")
+        names = ("page_size", "kv_dtype", "num_layers", "model", "num_drafts")
         return [f"{n}: prefill {getattr(self, n)!r} vs decode {getattr(other, n)!r}"
                 for n in names if getattr(self, n) != getattr(other, n)]
 
