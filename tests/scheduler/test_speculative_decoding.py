@@ -98,7 +98,7 @@ def test_greedy_tokens_on_the_gpu(mtp_path, steps, graphs):
     without speculation that gives the reference."""
     prompts = _prompts([9, 40, 3, 20, 26, 64, 1])
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    outs, accepts = [], []
+    outs = []
     for settings in ({}, {"speculative_algorithm": "NEXTN", "speculative_num_steps": steps}):
         with LLM(mtp_path, device="cuda", dtype="float32", page_size=16, max_total_tokens=4096,
                  disable_cuda_graph=not graphs, **settings) as llm:
