@@ -47,10 +47,8 @@ class ModelRunner:
             self.eplb.recorder.start()  # records: from the first pass on (not the graphs' warm-up)
 
     def _init_model(self) -> DeepseekForCausalLM:
-        load, cfg, par = self.config.load, self.config.model, self.config.parallel
-        self.moe_options = moe = MoEOptions(self._initial_placement(), par.moe_a2a_backend, par.deepep_mode,
-                                            par.max_dispatch_tokens_per_rank, self.config.eplb.ep_dispatch_algorithm,
-                                            self._make_recorder())
+        load, cfg = self.config.load, self.config.model
+        self.moe_options = moe = self._moe_options()
         with torch.device(self.device), default_dtype(self.dtype):
             model = DeepseekForCausalLM(cfg, self.groups, moe, fp8=self.fp8_weights, mtp=self.config.spec.enabled)
         if load.load_format == "dummy":
@@ -60,6 +58,11 @@ class ModelRunner:
                 raise ValueError("model_path is required unless load_format is 'dummy'")
             load_checkpoint(model, load.model_path, self.config.model)
         return model.eval()
+
+    def _moe_options(self) -> MoEOptions:
+        par = self.config.parallel
+        return MoEOptions(self._initial_placement(), par.moe_a2a_backend, par.deepep_mode,
+                          par.max_dispatch_tokens_per_rank, self.config.eplb.ep_dispatch_algorithm, self._make_recorder())
 
     def _initial_placement(self) -> ExpertPlacement:
         cfg, par, eplb = self.config.model, self.config.parallel, self.config.eplb

@@ -10,6 +10,7 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.distributed.dispatcher import Dispatcher, MaskedDispatchOutput, RecvTokens, make_dispatcher
+from moeserve.distributed.emulated import EmulatedDispatcher, EmulatedEP
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.eplb.placement import ExpertLocation, ExpertPlacement
 from moeserve.eplb.recorder import ExpertRecorder
@@ -112,6 +113,8 @@ class MoEOptions:
     max_dispatch_tokens_per_rank: int = 128
     dispatch_algorithm: str = "static"  # static | dynamic | fake (``LayerExpertMap``)
     recorder: ExpertRecorder | None = None
+    # one rank of an EP group emulated alone (``bench rank``): local copies stand in for the all-to-all
+    emulated: EmulatedEP | None = None
 
     @functools.cached_property
     def location(self) -> ExpertLocation:
@@ -143,6 +146,9 @@ class MoE(nn.Module):
         self._dispatchers = self._make_dispatchers(opts, len(logical_ids))
 
     def _make_dispatchers(self, opts: MoEOptions, num_local: int) -> dict[str, Dispatcher]:
+        if opts.emulated is not None:
+            mode = "normal" if opts.deepep_mode == "auto" else opts.deepep_mode
+            return {mode: EmulatedDispatcher(mode, num_local, opts.emulated, self.layer_id)}
         if opts.a2a_backend == "none":
             return {"none": make_dispatcher("none", self.ep, num_local, opts.max_dispatch_tokens_per_rank)}
         if opts.a2a_backend == "deepep":

@@ -89,6 +89,18 @@ def cmd_bench_one_batch(args: argparse.Namespace) -> int:
     return run_one_batch_benchmark(args)
 
 
+def cmd_bench_rank(args: argparse.Namespace) -> int:
+    from moeserve.bench.rank import run_rank_benchmark
+
+    return run_rank_benchmark(args)
+
+
+def cmd_bench_deployment(args: argparse.Namespace) -> int:
+    from moeserve.bench.rank import run_deployment_benchmark
+
+    return run_deployment_benchmark(args)
+
+
 def cmd_bench_compare_hf(args: argparse.Namespace) -> int:
     from moeserve.bench.compare_hf import run_compare_hf
 
@@ -175,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     from moeserve.bench.dispatch import add_dispatch_args
     from moeserve.bench.one_batch import add_one_batch_args
     from moeserve.bench.pd import add_pd_bench_args
+    from moeserve.bench.rank import add_deployment_args, add_rank_args
     from moeserve.bench.serving import add_serving_args
     from moeserve.bench.transfer import add_transfer_args
     from moeserve.planner import add_plan_args, run_plan
@@ -196,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
              add_pd_bench_args, cmd_bench_pd)
     _command(bench, "dispatch", "EP dispatch/combine bandwidth and latency over several GPUs", add_dispatch_args,
              cmd_bench_dispatch)
+    _command(bench, "rank", "one rank of a DP-attention + EP deployment emulated on this device, its step projected "
+             "with a network model", add_rank_args, cmd_bench_rank)
+    _command(bench, "deployment", "both roles of a reference deployment emulated a rank each, beside its figures",
+             add_deployment_args, cmd_bench_deployment)
     eplb = sub.add_parser("eplb", help="expert-parallel load balancing from recorded expert load").add_subparsers(
         dest="eplb", required=True)
     _command(eplb, "plan", "a balanced expert placement (--init-expert-location) from an expert distribution",
