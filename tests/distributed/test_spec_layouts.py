@@ -52,3 +52,18 @@ def test_sampled_speculation_under_attention_tp_follows_the_leader(mtp_path):
     for run in runs:
         assert [len(o.token_ids) for o in run] == [m for _, m in LENGTHS]
     assert [o.token_ids for o in runs[0]][1::2] == [o.token_ids for o in runs[1]][1::2]
+
+
+def test_the_shipped_model_under_dp_attention_and_ep_keeps_its_greedy_output():
+    """The shipped chat model (trained MTP module, most drafts kept) at tp 4 / dp 4 with EP: the
+    tokens of decoding it one token at a time in one process."""
+    from moeserve.models.tiny_chat import embedded_model_path, held_out_prompts
+
+    path = embedded_model_path()
+    params = SamplingParams(max_tokens=10, temperature=0)
+    with LLM(path, **ENGINE) as llm:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                   for p, _ in held_out_prompts(8, seed=3)]
+        reference = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, **ENGINE, **LAYOUTS["tp4-dp4-auto-dense1"], speculative_algorithm="NEXTN") as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
