@@ -30,7 +30,7 @@ for s in ${STEPS:-validate prefill decode}; do
         $M bench rank --num-layers 4 --quantization fp8 --role prefill --ep-size 1 --tokens-per-rank 16384 \
             --input-len 4096 --repeats "$REPEATS" --json "$OUT/rank_ep1_prefill.json" || status=1 ;;
     prefill|decode)
-        $M bench deployment --reference sglang-96xh100 --roles "$s" --repeats "$REPEATS" \
+        $M bench deployment --reference sglang-96xh100 --roles "$s" --repeats "$REPEATS" --profile \
             --json "$OUT/deployment_$s.json" || status=1 ;;
     *) echo "unknown step $s"; status=1 ;;
     esac

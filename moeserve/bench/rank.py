@@ -253,6 +253,22 @@ def time_ops(runner: ModelRunner, batch: ScheduleBatch, overlapped: bool) -> lis
     return timer.finish()
 
 
+def kernel_breakdown(runner: ModelRunner, batch: ScheduleBatch, steps: int = 3, rows: int = 25) -> list[dict]:
+    """The step's device time by kernel (torch.profiler over ``steps`` steps; host time by operator
+    on the CPU), per step, the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            runner.forward(batch).argmax(-1).tolist()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:rows]
+    return [{"name": e.key, "ms_per_step": getattr(e, key) / 1e3 / steps, "calls_per_step": e.count / steps}
+            for e in events if getattr(e, key) > 0]
+
+
 def schedule_ms(records: list[OpRecord], comm_ms) -> tuple[float, float]:
     """``(step, network)``: the makespan of ``records`` (in run order) on one compute stream, each
     dispatch and combine on one network link from its issue half to its wait half, and the network
@@ -278,7 +294,7 @@ def schedule_ms(records: list[OpRecord], comm_ms) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------- the report
 def run_rank(model: ModelConfig, spec: RankSpec, network: NetworkModel, *, device: str, quantization: str | None,
              repeats: int = 10, gpus_per_node: int = 8, gpu_hour_usd: float = 2.0, page_size: int | None = None,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, profile: bool = False) -> dict[str, Any]:
     """Build the rank, time its step, schedule it with the network; a JSON-able report."""
     config = rank_config(model, spec, device, quantization, page_size)
     dev = torch.device(device)
@@ -290,13 +306,17 @@ def run_rank(model: ModelConfig, spec: RankSpec, network: NetworkModel, *, devic
         times = step_ms(runner, batch, repeats)
         records = time_ops(runner, batch, spec.two_batch_overlap)
         peak = torch.cuda.max_memory_allocated(dev) / GB if dev.type == "cuda" else None
+        kernels = kernel_breakdown(runner, batch) if profile else None
     finally:
         del runner
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    return report(model, spec, network, statistics.median(times), records, peak, gpus_per_node, gpu_hour_usd,
-                  config, times)
+    out = report(model, spec, network, statistics.median(times), records, peak, gpus_per_node, gpu_hour_usd,
+                 config, times)
+    if kernels is not None:
+        out["measured"]["kernels"] = kernels
+    return out
 
 
 def report(model: ModelConfig, spec: RankSpec, network: NetworkModel, measured_ms: float, records: list[OpRecord],
@@ -351,6 +371,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append("  fits: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in mod["fits"].items()))
     top = list(m["breakdown_ms"].items())[:8]
     lines.append("  step by operation (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in top))
+    for k in (m.get("kernels") or [])[:10]:
+        lines.append(f"    {k['ms_per_step']:9.3f} ms  {k['calls_per_step']:6.0f} calls  {k['name'][:80]}")
     return "\n".join(lines)
 
 
@@ -398,6 +420,7 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="also the step's device time by kernel")
     p.add_argument("--json", default=None, metavar="PATH")
 
 
@@ -431,7 +454,7 @@ def run_rank_benchmark(args: argparse.Namespace) -> int:
     model = model_from(args)
     result = run_rank(model, spec_from(args, model), network_model(args.network), device=args.device,
                       quantization=args.quantization, repeats=args.repeats, gpus_per_node=args.gpus_per_node,
-                      gpu_hour_usd=args.gpu_hour_usd, page_size=args.page_size, seed=args.seed)
+                      gpu_hour_usd=args.gpu_hour_usd, page_size=args.page_size, seed=args.seed, profile=args.profile)
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -471,6 +494,7 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--overlap", choices=("both", "on", "off"), default="both", help="two-batch overlap")
     p.add_argument("--roles", nargs="+", choices=("prefill", "decode"), default=["prefill", "decode"])
+    p.add_argument("--profile", action="store_true", help="also each step's device time by kernel")
     p.add_argument("--json", default=None, metavar="PATH")
     # smaller loads, for a smoke test on a small device (the reference's are the defaults)
     p.add_argument("--scale-load", type=float, default=1.0, help="multiply the reference's per-rank load by this")
@@ -493,7 +517,8 @@ def run_deployment_benchmark(args: argparse.Namespace) -> int:
                             two_batch_overlap=tbo, **load)
             quantization = None if args.quantization == "none" else args.quantization
             out = run_rank(model, spec, network, device=args.device, quantization=quantization,
-                           repeats=args.repeats, gpus_per_node=args.gpus_per_node, gpu_hour_usd=args.gpu_hour_usd)
+                           repeats=args.repeats, gpus_per_node=args.gpus_per_node, gpu_hour_usd=args.gpu_hour_usd,
+                           profile=args.profile)
             print(format_report(out), file=sys.stderr, flush=True)
             results.append(out)
     print(format_deployment(ref, results))

@@ -157,7 +157,7 @@ def test_bench_rank_reports_measured_and_modelled_figures(wide_path, tmp_path):
     out = tmp_path / "rank.json"
     run = _cli("bench", "rank", "--model-path", wide_path, "--role", "decode", "--ep-size", "72", "--redundant", "32",
                "--batch-per-rank", "6", "--context", "20", "--enable-two-batch-overlap", "--distribution", "zipf:1.2",
-               "--network", "ib400", "--repeats", "2", "--json", str(out))
+               "--network", "ib400", "--repeats", "2", "--profile", "--json", str(out))
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert report["role"] == "decode" and report["spec"]["two_batch_overlap"]
@@ -168,6 +168,7 @@ def test_bench_rank_reports_measured_and_modelled_figures(wide_path, tmp_path):
     assert mod["tokens_per_s_per_node"] == pytest.approx(8 * mod["tokens_per_s_per_gpu"])
     assert math.isclose(mod["usd_per_million_tokens"], 2.0 / (mod["tokens_per_s_per_gpu"] * 3600) * 1e6)
     assert "moe_experts" in report["measured"]["breakdown_ms"] and "modelled (ib400)" in run.stdout
+    assert report["measured"]["kernels"] and all(k["ms_per_step"] > 0 for k in report["measured"]["kernels"])
     bad = _cli("bench", "rank", "--model-path", wide_path, "--role", "prefill", "--ep-size", "7", "--repeats", "1")
     assert bad.returncode != 0 and "do not divide over 7 EP ranks" in bad.stderr
 
