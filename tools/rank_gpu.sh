@@ -4,8 +4,8 @@
 #   OUT=/some/dir STEPS="validate prefill decode" bash tools/rank_gpu.sh
 #
 #   validate  at EP 1 (4 layers, all 256 experts here, FP8): bench rank's step beside bench
-#             one-batch's at the same shapes (decode 32 and 128 sequences over 2,000 tokens;
-#             prefill 4 x 4,096 tokens)
+#             one-batch's at the same shapes (decode: 128 sequences over 2,000 tokens; prefill:
+#             8 x 2,000 tokens in one pass)
 #   prefill   bench deployment --reference sglang-96xh100 --roles prefill (61 layers, EP32 share)
 #   decode    bench deployment --reference sglang-96xh100 --roles decode (61 layers, EP72 share)
 # Run from the repository root with the machine's python3 (torch with CUDA, Triton).
@@ -19,16 +19,13 @@ status=0
 for s in ${STEPS:-validate prefill decode}; do
     case $s in
     validate)
-        $M bench one-batch --preset dsv3 --num-layers 4 --quantization fp8 --batch-size 32 128 --input-len 2000 \
-            --output-len 8 --json "$OUT/one_batch_decode.json" || status=1
-        $M bench one-batch --preset dsv3 --num-layers 4 --quantization fp8 --batch-size 4 --input-len 4096 \
-            --output-len 1 --json "$OUT/one_batch_prefill.json" || status=1
-        for b in 32 128; do
-            $M bench rank --num-layers 4 --quantization fp8 --role decode --ep-size 1 --batch-per-rank "$b" \
-                --context 2000 --repeats "$REPEATS" --json "$OUT/rank_ep1_decode_$b.json" || status=1
-        done
-        $M bench rank --num-layers 4 --quantization fp8 --role prefill --ep-size 1 --tokens-per-rank 16384 \
-            --input-len 4096 --repeats "$REPEATS" --json "$OUT/rank_ep1_prefill.json" || status=1 ;;
+        # one-batch: batch 8 gives the prefill (16,000 tokens in one pass), batch 128 the decode step
+        $M bench one-batch --preset dsv3 --num-layers 4 --quantization fp8 --batch-size 8 128 --input-len 2000 \
+            --output-len 4 --json "$OUT/one_batch.json" || status=1
+        $M bench rank --num-layers 4 --quantization fp8 --role decode --ep-size 1 --batch-per-rank 128 \
+            --context 2000 --repeats "$REPEATS" --json "$OUT/rank_ep1_decode.json" || status=1
+        $M bench rank --num-layers 4 --quantization fp8 --role prefill --ep-size 1 --tokens-per-rank 16000 \
+            --input-len 2000 --repeats "$REPEATS" --json "$OUT/rank_ep1_prefill.json" || status=1 ;;
     prefill|decode)
         $M bench deployment --reference sglang-96xh100 --roles "$s" --repeats "$REPEATS" --profile \
             --json "$OUT/deployment_$s.json" || status=1 ;;
