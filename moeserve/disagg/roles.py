@@ -276,15 +276,19 @@ class DecodeRole(Role):
         token, logprob, drafts = read_aux(self.manager.args.aux, self.aux_of[req.rid],
                                           req.params.logprobs is not None)
         self._forget(req)
+        spec = self.sched.spec
+        if spec is not None and len(drafts) != spec.num_drafts:  # the handshake compares the counts
+            self.sched.fail(req, f"disaggregated decode: the prefill side sent {len(drafts)} draft tokens, "
+                                 f"this server verifies {spec.num_drafts}")
+            return req
         req.output_ids.append(token)
         if logprob is not None:
             req.output_logprobs.append(logprob)
         req.kv_len = len(req.prompt_ids)
         self.sched.decode.add(req)
         self.sched.check_finished(req)
-        spec = self.sched.spec
         if spec is not None and not req.finished:
-            spec.drafts[req.rid] = drafts  # as many as this server drafts (the pair agreed on it)
+            spec.drafts[req.rid] = drafts
         return req
 
     def _fail(self, req: Req) -> Req:
