@@ -334,6 +334,7 @@ def report(model: ModelConfig, spec: RankSpec, network: NetworkModel, measured_m
         return network.seconds(spec.dispatch_mode, op, traffic) * 1e3
 
     step, net = schedule_ms(records, comm_ms)
+    ops = [[r.micro_batch, r.layer, r.name, r.tokens, r.ms] for r in records]
     tokens = spec.tokens_per_rank if spec.role == "prefill" else spec.batch_per_rank
     per_gpu = tokens / step * 1e3
     breakdown: dict[str, float] = defaultdict(float)
@@ -345,7 +346,7 @@ def report(model: ModelConfig, spec: RankSpec, network: NetworkModel, measured_m
         "device": torch.cuda.get_device_name() if config.load.device == "cuda" else "cpu",
         "quantization": config.load.quantization, "dtype": str(config.load.torch_dtype(config.model)),
         "date": time.strftime("%Y-%m-%d"),
-        "measured": {"step_ms": measured_ms, "step_ms_all": times, "eager_ops_ms": eager_ms,
+        "measured": {"step_ms": measured_ms, "step_ms_all": times, "eager_ops_ms": eager_ms, "ops": ops,
                      "peak_memory_gb": peak_gb, "breakdown_ms": dict(sorted(breakdown.items(), key=lambda kv: -kv[1]))},
         "modelled": {"network": network.name, "network_source": network.source, "network_ms": net,
                      "step_ms": step, "tokens_per_s_per_gpu": per_gpu, "tokens_per_s_per_node": per_gpu * gpus_per_node,
@@ -353,6 +354,32 @@ def report(model: ModelConfig, spec: RankSpec, network: NetworkModel, measured_m
                      "fits": None if peak_gb is None else {name: peak_gb <= cap * MEMORY_HEADROOM
                                                            for name, cap in GPU_MEMORY_GB.items()}},
     }
+
+
+def reschedule(saved: dict[str, Any], network: NetworkModel, model: ModelConfig, gpus_per_node: int = 8,
+               gpu_hour_usd: float | None = None) -> dict[str, Any]:
+    """A saved report's measured operations scheduled again with another network model (no device
+    needed): the same JSON shape."""
+    spec_fields = dict(saved["spec"])
+    if isinstance(spec_fields["balancedness"], dict):
+        spec_fields["balancedness"] = {int(k): v for k, v in spec_fields["balancedness"].items()}
+    spec = RankSpec(**spec_fields)
+    records = [OpRecord(mb, layer, name, tokens, ms) for mb, layer, name, tokens, ms in saved["measured"]["ops"]]
+    bal = EmulatedEP(spec.ep_size, spec.balancedness)
+
+    def comm_ms(r: OpRecord, op: str) -> float:
+        traffic = Traffic(r.tokens, model.hidden_size, model.num_experts_per_tok, spec.ep_size, gpus_per_node,
+                          bal.balancedness_of(r.layer))
+        return network.seconds(spec.dispatch_mode, op, traffic) * 1e3
+
+    step, net = schedule_ms(records, comm_ms)
+    per_gpu = (spec.tokens_per_rank if spec.role == "prefill" else spec.batch_per_rank) / step * 1e3
+    usd = gpu_hour_usd if gpu_hour_usd is not None else saved["modelled"]["gpu_hour_usd"]
+    out = json.loads(json.dumps(saved))
+    out["modelled"].update(network=network.name, network_source=network.source, network_ms=net, step_ms=step,
+                           tokens_per_s_per_gpu=per_gpu, tokens_per_s_per_node=per_gpu * gpus_per_node,
+                           usd_per_million_tokens=usd / (per_gpu * 3600) * 1e6, gpu_hour_usd=usd)
+    return out
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -494,6 +521,9 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--overlap", choices=("both", "on", "off"), default="both", help="two-batch overlap")
     p.add_argument("--roles", nargs="+", choices=("prefill", "decode"), default=["prefill", "decode"])
+    p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                   help="no device: schedule the measured operations of these saved reports (--json of an earlier "
+                        "run) with --network instead")
     p.add_argument("--profile", action="store_true", help="also each step's device time by kernel")
     p.add_argument("--json", default=None, metavar="PATH")
     # smaller loads, for a smoke test on a small device (the reference's are the defaults)
@@ -504,6 +534,17 @@ def run_deployment_benchmark(args: argparse.Namespace) -> int:
     ref = REFERENCES[args.reference]
     model = model_from(args)
     network = network_model(args.network)
+    if args.from_json:
+        results = []
+        for path in args.from_json:
+            with open(path) as f:
+                saved = json.load(f)
+            results += [reschedule(r, network, model, args.gpus_per_node, args.gpu_hour_usd) for r in saved["results"]]
+        print(format_deployment(ref, results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"reference": args.reference, "reference_figures": ref, "results": results}, f, indent=2)
+        return 0
     overlaps = {"both": (False, True), "on": (True,), "off": (False,)}[args.overlap]
     results = []
     for role in args.roles:

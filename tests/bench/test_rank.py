@@ -182,3 +182,12 @@ def test_bench_deployment_prints_both_roles_beside_the_reference(wide_path, tmp_
         assert needle in run.stdout
     report = json.loads(out.read_text())
     assert [r["role"] for r in report["results"]] == ["prefill", "decode"]
+    # the same measured operations, scheduled again with another network model: no device needed
+    again = tmp_path / "again.json"
+    run = _cli("bench", "deployment", "--model-path", wide_path, "--from-json", str(out), "--network", "ib400",
+               "--json", str(again))
+    assert run.returncode == 0, run.stderr
+    redone = json.loads(again.read_text())["results"]
+    for old, new in zip(report["results"], redone):
+        assert new["measured"] == old["measured"] and new["modelled"]["network"] == "ib400"
+        assert new["modelled"]["network_ms"] != old["modelled"]["network_ms"]
