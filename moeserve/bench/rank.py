@@ -360,6 +360,9 @@ def reschedule(saved: dict[str, Any], network: NetworkModel, model: ModelConfig,
                gpu_hour_usd: float | None = None) -> dict[str, Any]:
     """A saved report's measured operations scheduled again with another network model (no device
     needed): the same JSON shape."""
+    if "ops" not in saved.get("measured", {}):
+        raise ValueError("--from-json: the report has no measured operations ('ops'); write it with this version's "
+                         "bench rank or bench deployment --json")
     spec_fields = dict(saved["spec"])
     if isinstance(spec_fields["balancedness"], dict):
         spec_fields["balancedness"] = {int(k): v for k, v in spec_fields["balancedness"].items()}
