@@ -326,17 +326,7 @@ def report(model: ModelConfig, spec: RankSpec, network: NetworkModel, measured_m
     scale = measured_ms / eager_ms if eager_ms > 0 else 1.0  # the eager split, scaled to the real step
     for r in records:
         r.ms *= scale
-    bal = EmulatedEP(spec.ep_size, spec.balancedness)
-
-    def comm_ms(r: OpRecord, op: str) -> float:
-        traffic = Traffic(r.tokens, model.hidden_size, model.num_experts_per_tok, spec.ep_size, gpus_per_node,
-                          bal.balancedness_of(r.layer))
-        return network.seconds(spec.dispatch_mode, op, traffic) * 1e3
-
-    step, net = schedule_ms(records, comm_ms)
     ops = [[r.micro_batch, r.layer, r.name, r.tokens, r.ms] for r in records]
-    tokens = spec.tokens_per_rank if spec.role == "prefill" else spec.batch_per_rank
-    per_gpu = tokens / step * 1e3
     breakdown: dict[str, float] = defaultdict(float)
     for r in records:
         breakdown[r.name.removeprefix("op_")] += r.ms
@@ -348,12 +338,27 @@ def report(model: ModelConfig, spec: RankSpec, network: NetworkModel, measured_m
         "date": time.strftime("%Y-%m-%d"),
         "measured": {"step_ms": measured_ms, "step_ms_all": times, "eager_ops_ms": eager_ms, "ops": ops,
                      "peak_memory_gb": peak_gb, "breakdown_ms": dict(sorted(breakdown.items(), key=lambda kv: -kv[1]))},
-        "modelled": {"network": network.name, "network_source": network.source, "network_ms": net,
-                     "step_ms": step, "tokens_per_s_per_gpu": per_gpu, "tokens_per_s_per_node": per_gpu * gpus_per_node,
-                     "usd_per_million_tokens": gpu_hour_usd / (per_gpu * 3600) * 1e6, "gpu_hour_usd": gpu_hour_usd,
+        "modelled": {**project(model, spec, network, records, gpus_per_node, gpu_hour_usd),
                      "fits": None if peak_gb is None else {name: peak_gb <= cap * MEMORY_HEADROOM
                                                            for name, cap in GPU_MEMORY_GB.items()}},
     }
+
+
+def project(model: ModelConfig, spec: RankSpec, network: NetworkModel, records: list[OpRecord], gpus_per_node: int,
+            gpu_hour_usd: float) -> dict[str, Any]:
+    """The modelled part of a report: ``records`` scheduled with ``network``, and what that gives."""
+    bal = EmulatedEP(spec.ep_size, spec.balancedness)
+
+    def comm_ms(r: OpRecord, op: str) -> float:
+        traffic = Traffic(r.tokens, model.hidden_size, model.num_experts_per_tok, spec.ep_size, gpus_per_node,
+                          bal.balancedness_of(r.layer))
+        return network.seconds(spec.dispatch_mode, op, traffic) * 1e3
+
+    step, net = schedule_ms(records, comm_ms)
+    per_gpu = (spec.tokens_per_rank if spec.role == "prefill" else spec.batch_per_rank) / step * 1e3
+    return {"network": network.name, "network_source": network.source, "network_ms": net, "step_ms": step,
+            "tokens_per_s_per_gpu": per_gpu, "tokens_per_s_per_node": per_gpu * gpus_per_node,
+            "usd_per_million_tokens": gpu_hour_usd / (per_gpu * 3600) * 1e6, "gpu_hour_usd": gpu_hour_usd}
 
 
 def reschedule(saved: dict[str, Any], network: NetworkModel, model: ModelConfig, gpus_per_node: int = 8,
@@ -368,20 +373,9 @@ def reschedule(saved: dict[str, Any], network: NetworkModel, model: ModelConfig,
         spec_fields["balancedness"] = {int(k): v for k, v in spec_fields["balancedness"].items()}
     spec = RankSpec(**spec_fields)
     records = [OpRecord(mb, layer, name, tokens, ms) for mb, layer, name, tokens, ms in saved["measured"]["ops"]]
-    bal = EmulatedEP(spec.ep_size, spec.balancedness)
-
-    def comm_ms(r: OpRecord, op: str) -> float:
-        traffic = Traffic(r.tokens, model.hidden_size, model.num_experts_per_tok, spec.ep_size, gpus_per_node,
-                          bal.balancedness_of(r.layer))
-        return network.seconds(spec.dispatch_mode, op, traffic) * 1e3
-
-    step, net = schedule_ms(records, comm_ms)
-    per_gpu = (spec.tokens_per_rank if spec.role == "prefill" else spec.batch_per_rank) / step * 1e3
     usd = gpu_hour_usd if gpu_hour_usd is not None else saved["modelled"]["gpu_hour_usd"]
     out = json.loads(json.dumps(saved))
-    out["modelled"].update(network=network.name, network_source=network.source, network_ms=net, step_ms=step,
-                           tokens_per_s_per_gpu=per_gpu, tokens_per_s_per_node=per_gpu * gpus_per_node,
-                           usd_per_million_tokens=usd / (per_gpu * 3600) * 1e6, gpu_hour_usd=usd)
+    out["modelled"].update(project(model, spec, network, records, gpus_per_node, usd))
     return out
 
 

@@ -84,3 +84,12 @@ def run_pair(prefill: Scheduler, decode: Scheduler, prompts: list[list[int]], pa
         if not (prefill.ran_forward or decode.ran_forward):
             time.sleep(0.001)
     return reqs
+
+
+def settle(*scheds: Scheduler, timeout_s: float = 30) -> None:
+    """Step the schedulers until none holds a request or a pending transfer (or the time is up)."""
+    deadline = time.monotonic() + timeout_s
+    while any(s.role.num_pending or s.num_requests for s in scheds) and time.monotonic() < deadline:
+        for s in scheds:
+            s.step()
+        time.sleep(0.001)

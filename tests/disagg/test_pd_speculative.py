@@ -14,7 +14,7 @@ from moeserve import LLM, SamplingParams
 from moeserve.models.tiny import make_tiny_model
 from moeserve.models.tiny_chat import embedded_model_path, held_out_prompts
 from moeserve.models.tokenizer import load_tokenizer
-from tests.disagg.pd_utils import ENGINE, add_pair, bootstrap_server, pd_scheduler, run_pair
+from tests.disagg.pd_utils import ENGINE, add_pair, bootstrap_server, pd_scheduler, run_pair, settle
 
 PROMPTS_LENS = [7, 30, 45, 3, 16]
 
@@ -51,14 +51,6 @@ def _pair(mtp_path, tmp_path, prefill_settings, decode_settings):
     return server, prefill, decode, port
 
 
-def _settle(*scheds, timeout_s=30):
-    deadline = time.monotonic() + timeout_s
-    while any(s.role.num_pending or s.num_requests for s in scheds) and time.monotonic() < deadline:
-        for s in scheds:
-            s.step()
-        time.sleep(0.001)
-
-
 def _close(server, *scheds):
     for s in scheds:
         s.role.close()
@@ -80,7 +72,7 @@ def test_pd_speculative_greedy_tokens_equal_monolithic_decoding(mtp_path, tmp_pa
         reqs = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):  # the longer prompts take several chunks
             reqs += run_pair(prefill, decode, [prompt], p, port, first=i)
-        _settle(prefill, decode)
+        settle(prefill, decode)
         assert [r.output_ids for r in reqs] == tokens
         # the monolithic engine's drafts, request by request: the chain in the aux record and the
         # MTP layer's KV of the prompt arrived intact
@@ -116,7 +108,7 @@ def test_pd_speculative_sampling_and_aborts_release_everything(mtp_path, tmp_pat
             assert time.monotonic() < deadline
         assert decode.spec.drafts
         decode.abort(req.rid)
-        _settle(prefill, decode)
+        settle(prefill, decode)
         for sched in (prefill, decode):
             assert sched.pages.num_used == 0 and sched.num_requests == 0 and not sched.spec.drafts
     finally:
@@ -129,7 +121,7 @@ def test_a_pair_that_disagrees_on_speculation_is_refused(mtp_path, tmp_path):
         reqs = run_pair(prefill, decode, _prompts([6]), SamplingParams(max_tokens=4, temperature=0), port)
         assert reqs[0].finish_reason.value == "error"
         assert "num_layers" in reqs[0].finish_message and "num_drafts" in reqs[0].finish_message
-        _settle(prefill, decode)
+        settle(prefill, decode)
         assert prefill.pages.num_used == decode.pages.num_used == 0
     finally:
         _close(server, prefill, decode)

@@ -10,7 +10,7 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.core import BootstrapInfo
-from tests.disagg.pd_utils import ENGINE, add_pair, bootstrap_server, pd_scheduler, run_pair
+from tests.disagg.pd_utils import ENGINE, add_pair, bootstrap_server, pd_scheduler, run_pair, settle
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -31,14 +31,6 @@ def reference(model_path):
         return [o.token_ids for o in llm.generate(_prompts([7, 30, 45, 3]), GREEDY, use_tqdm=False)]
 
 
-def _settle(*scheds, timeout_s=30):
-    deadline = time.monotonic() + timeout_s
-    while any(s.role.num_pending or s.num_requests for s in scheds) and time.monotonic() < deadline:
-        for s in scheds:
-            s.step()
-        time.sleep(0.001)
-
-
 @pytest.fixture
 def pair(model_path, tmp_path):
     """A prefill and a decode scheduler (fake data path) and their bootstrap port."""
@@ -56,7 +48,7 @@ def pair(model_path, tmp_path):
 def test_pd_queues_give_the_monolithic_tokens(pair, reference):
     prefill, decode, port = pair
     reqs = run_pair(prefill, decode, _prompts([7, 30, 45, 3]), GREEDY, port)  # 30, 45 > chunk of 16
-    _settle(prefill, decode)
+    settle(prefill, decode)
     assert [r.output_ids for r in reqs] == reference
     for sched in (prefill, decode):
         assert sched.pages.num_used == 0 and sched.num_requests == 0 and sched.role.num_pending == 0
@@ -69,7 +61,7 @@ def test_a_failed_write_fails_the_request_on_both_sides(pair):
     prefill, decode, port = pair
     prefill.role.manager.backend.fail_writes = True
     reqs = run_pair(prefill, decode, _prompts([9]), GREEDY, port)
-    _settle(prefill, decode)
+    settle(prefill, decode)
     assert reqs[0].finish_reason.value == "error" and "failed" in reqs[0].finish_message
     assert prefill.pages.num_used == decode.pages.num_used == 0
     assert prefill.num_requests == decode.num_requests == 0
@@ -98,7 +90,7 @@ def test_an_abort_mid_transfer_holds_the_decode_pages_until_the_prefill_side_con
     assert held > 0
     decode.abort("d")
     assert decode.pages.num_used == held and decode.role.num_pending == 1  # draining, not freed
-    _settle(prefill, decode)
+    settle(prefill, decode)
     assert decode.pages.num_used == 0 and decode.role.num_pending == 0
     assert prefill.num_requests == 0 and prefill.pages.num_used == 0  # the prefill leg failed and freed
     assert decode.role.aux.num_free == prefill.role.aux.num_free == 4 * 256
@@ -110,7 +102,7 @@ def test_an_abort_before_the_indices_left_frees_at_once_and_the_prefill_leg_wait
     prefill.add_request("p", _prompts([20])[0], GREEDY, info)
     decode.add_request("d", _prompts([20])[0], GREEDY, info)
     decode.abort("d")  # before anything reached the prefill side
-    _settle(decode)
+    settle(decode)
     assert decode.pages.num_used == 0 and decode.role.num_pending == 0 and decode.num_requests == 0
     for _ in range(20):
         prefill.step()
@@ -135,7 +127,7 @@ def test_a_decode_server_short_of_pages_retracts_and_recomputes_locally(model_pa
                 prefill.step()
                 decode.role.poll()
                 time.sleep(0.001)
-            _settle(prefill, decode)
+            settle(prefill, decode)
             assert decode.decode.retracted > 0
             assert [r.output_ids for r in reqs] == [reference[0], reference[3]] * 2
             assert decode.pages.num_used == prefill.pages.num_used == 0
@@ -155,7 +147,7 @@ def test_prefill_server_shares_prefixes_and_pushes_the_whole_prompt(pair, model_
     reqs = []
     for wave in waves:
         reqs += run_pair(prefill, decode, wave, GREEDY, port, first=len(reqs))
-        _settle(prefill, decode)
+        settle(prefill, decode)
     assert [r.output_ids for r in reqs] == ref
     assert decode.prefix_cache is None and prefill.prefix_cache is not None
     assert prefill.prefill.cached_tokens == 3 * (37 // ENGINE["page_size"] * ENGINE["page_size"])
