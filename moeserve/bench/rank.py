@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from moeserve.bench.network import NetworkModel, Traffic, network_model
+from moeserve.bench.one_batch import sync
 from moeserve.config import EngineConfig, ModelConfig, default_page_size, engine_config_for
 from moeserve.core import ForwardBatch, ForwardMode, Req, SamplingParams, ScheduleBatch, ScheduledSeq
 from moeserve.distributed.emulated import EmulatedEP
@@ -128,11 +129,6 @@ def rank_config(model: ModelConfig, spec: RankSpec, device: str, quantization: s
 
 
 # ------------------------------------------------------------------------------------ the step
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def build_step(runner: ModelRunner, spec: RankSpec, seed: int = 0) -> ScheduleBatch:
     """The step the rank runs, over requests holding pages of the runner's cache (decode: the
     cache filled with random latents, as after the prompts' prefill)."""
@@ -165,7 +161,7 @@ def step_ms(runner: ModelRunner, batch: ScheduleBatch, repeats: int) -> list[flo
     device, times = runner.device, []
     runner.forward(batch).argmax(-1).tolist()  # warm-up
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         runner.forward(batch).argmax(-1).tolist()
         times.append((time.perf_counter() - start) * 1e3)
@@ -190,10 +186,11 @@ class _OpTimer:
         self.records: list[OpRecord] = []
         self._marks: list[tuple[Any, Any]] = []
 
-    def wrap(self, ops: list, micro_batch: int) -> list:
-        return [op if op is overlap.YIELD else self._timed(op, micro_batch) for op in ops]
+    def wrap(self, ops: list, states: tuple) -> list:
+        """``ops`` timed; a call's micro-batch is the index of its state in ``states``."""
+        return [op if op is overlap.YIELD else self._timed(op, states) for op in ops]
 
-    def _timed(self, op, micro_batch: int):
+    def _timed(self, op, states: tuple):
         layer = getattr(getattr(op, "__self__", None), "layer_id", None)
         name = getattr(op, "__name__", repr(op))
 
@@ -201,6 +198,7 @@ class _OpTimer:
             start = self._mark()
             op(state, batch)
             self._marks.append((start, self._mark()))
+            micro_batch = next(i for i, s in enumerate(states) if s is state)
             self.records.append(OpRecord(micro_batch, layer, name, batch.num_tokens))
         return call
 
@@ -227,7 +225,7 @@ def time_ops(runner: ModelRunner, batch: ScheduleBatch, overlapped: bool) -> lis
     if not overlapped:
         fb = runner.build_batch(batch)
         state = runner.model.begin(fb)
-        overlap.run(timer.wrap(runner.model.operations(), 0), state, fb)
+        overlap.run(timer.wrap(runner.model.operations(), (state,)), state, fb)
         runner.model.end(state, fb)
         return timer.finish()
     split = overlap.split_batch(batch, runner.config.runner.tbo_token_distribution_threshold)
@@ -236,18 +234,7 @@ def time_ops(runner: ModelRunner, batch: ScheduleBatch, overlapped: bool) -> lis
         b.launch_batch_size = len(batch.seqs)
     strategy = overlap.PREFILL if batch.mode is ForwardMode.EXTEND else overlap.DECODE
     states = (runner.model.begin(batches[0]), runner.model.begin(batches[1]))
-    ops = runner.model.operations(strategy.name)
-    split_ops = overlap.stages(ops)
-    # the executor's interleaving, with each micro-batch's own timed copy of the operations
-    timed = [timer.wrap(ops, 0), timer.wrap(ops, 1)]
-    stages = [overlap.stages(t) for t in timed]
-    for i in range(len(split_ops) + strategy.delta):
-        if i < len(split_ops):
-            for op in stages[0][i]:
-                op(states[0], batches[0])
-        if i >= strategy.delta:
-            for op in stages[1][i - strategy.delta]:
-                op(states[1], batches[1])
+    overlap.run_overlapped(timer.wrap(runner.model.operations(strategy.name), states), states, batches, strategy.delta)
     for s, b in zip(states, batches):
         runner.model.end(s, b)
     return timer.finish()

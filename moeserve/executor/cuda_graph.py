@@ -173,8 +173,7 @@ class VerifyGraphs(GraphBuckets):
         return self.runner.model.compute_logits(hidden, batch), hidden
 
     def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, hidden = self.play(self.load(batch), batch.num_tokens)
-        return logits, hidden
+        return self.play(self.load(batch), batch.num_tokens)
 
 
 class MtpGraphs(GraphBuckets):
