@@ -62,6 +62,9 @@ def add_one_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=16, help="tokens per request: 1 from prefill, the rest decode")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    p.add_argument("--roofline", action="store_true",
+                   help="CUDA: measure the copy and matmul ceilings first and print each step's time over its "
+                        "roofline (bench/roofline.py; FP8 weights at the fp8 matmul rate)")
     p.add_argument("--profile", action="store_true",
                    help="after timing, run one more pass under torch.profiler and print its top kernels")
 
@@ -244,6 +247,8 @@ class OneBatchResult:
     weights_gb: float
     kv_cache_tokens: int
     tokens_match_warmup: bool | None  # greedy tokens of the timed pass equal the warm-up's
+    prefill_of_roofline: float | None = None  # with --roofline: the time over its floor (1 is the floor)
+    decode_of_roofline: float | None = None
 
 
 def weights_bytes(runner: ModelRunner) -> int:
@@ -281,6 +286,24 @@ def bench_one_batch(runner: ModelRunner, batch_size: int, input_len: int, output
     )
 
 
+def attach_roofline(config: EngineConfig, result: OneBatchResult, ceilings) -> None:
+    """Fill ``result``'s roofline ratios: prefill as one step over all prompts, decode at the
+    context of the middle decode step."""
+    from moeserve.bench import roofline as rl
+
+    m = config.model
+    weights = "fp8" if config.load.quantization == "fp8" else {
+        torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[config.load.torch_dtype(m)]
+    kv_bytes = torch.empty((), dtype=config.load.torch_dtype(m)).element_size()
+    b, n = result.batch_size, result.input_len
+    floor = rl.roofline(rl.prefill_work(m, b, n, weights, kv_bytes), ceilings, weights).step_s
+    result.prefill_of_roofline = result.prefill_s / floor
+    if result.decode_step_ms is not None:
+        context = n + result.output_len // 2
+        floor = rl.roofline(rl.decode_work(m, b, context, weights, kv_bytes), ceilings, weights).step_s
+        result.decode_of_roofline = result.decode_step_ms / 1e3 / floor
+
+
 def _size(gb: float) -> str:
     return f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1e3:.2f} MB"
 
@@ -294,13 +317,17 @@ def format_results(config: EngineConfig, results: list[OneBatchResult]) -> str:
     lines = [f"one batch: {describe(config)}"]
     if head:
         lines.append(f"weights {_size(head.weights_gb)}, KV cache {head.kv_cache_tokens} tokens")
+    roof = any(r.prefill_of_roofline is not None for r in results)
     lines.append(f"{'batch':>6} {'input':>6} {'output':>6} {'prefill s':>10} {'prefill tok/s':>14} "
-                 f"{'decode ms':>10} {'decode tok/s':>13} {'peak GB':>8}")
+                 f"{'decode ms':>10} {'decode tok/s':>13} {'peak GB':>8}"
+                 + (f" {'prefill/roofline':>17} {'decode/roofline':>16}" if roof else ""))
     for r in results:
         note = "" if r.tokens_match_warmup in (None, True) else "  (tokens differ from the warm-up pass)"
+        ratios = (f" {_num(r.prefill_of_roofline, '>16.2f')}x {_num(r.decode_of_roofline, '>15.2f')}x"
+                  if roof else "")
         lines.append(f"{r.batch_size:>6} {r.input_len:>6} {r.output_len:>6} {r.prefill_s:>10.4f} "
                      f"{r.prefill_tok_s:>14.1f} {_num(r.decode_step_ms, '>10.3f')} "
-                     f"{_num(r.decode_tok_s, '>13.1f')} {_num(r.peak_memory_gb, '>8.2f')}{note}")
+                     f"{_num(r.decode_tok_s, '>13.1f')} {_num(r.peak_memory_gb, '>8.2f')}{ratios}{note}")
     return "\n".join(lines)
 
 
@@ -317,11 +344,22 @@ def run_one_batch_benchmark(args: argparse.Namespace) -> int:
     page = args.page_size or default_page_size(args.device)
     need = max(args.batch_size) * (args.input_len + args.output_len + page)
     config = engine_config_from_args(args, max(args.batch_size), None if args.device == "cuda" else need)
+    if args.roofline and args.device != "cuda":
+        raise ValueError("--roofline measures the GPU's ceilings: it needs --device cuda")
     runner = ModelRunner(config)
+    ceilings = None
+    if args.roofline:
+        from moeserve.bench.kernels import measure_ceilings
+
+        ceilings = measure_ceilings()
+        print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 {ceilings.bf16_tflops:.0f} TFLOP/s, "
+              f"fp8 {ceilings.fp8_tflops:.0f} TFLOP/s", file=sys.stderr, flush=True)
     results = []
     for batch_size in args.batch_size:
         results.append(bench_one_batch(runner, batch_size, args.input_len, args.output_len,
                                        args.max_prefill_tokens, args.seed))
+        if ceilings is not None:
+            attach_roofline(config, results[-1], ceilings)
         print(format_results(config, results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
         if args.profile:
             prompts = random_prompts(batch_size, args.input_len, config.model.vocab_size, args.seed)
@@ -329,5 +367,7 @@ def run_one_batch_benchmark(args: argparse.Namespace) -> int:
     print(format_results(config, results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**environment(config), "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+            extra = {"ceilings": dataclasses.asdict(ceilings)} if ceilings is not None else {}
+            json.dump({**environment(config), **extra, "results": [dataclasses.asdict(r) for r in results]}, f,
+                      indent=1)
     return 0

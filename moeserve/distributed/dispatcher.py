@@ -44,10 +44,13 @@ class DispatchOutput:
 class MaskedDispatchOutput:
     """Tokens for the local experts in masked layout: ``hidden [E_local, M_max, D]`` with expert
     ``e`` using only its first ``masked_m[e]`` rows (``masked_m [E_local]`` int32, on the device);
-    rows at or past ``masked_m[e]`` are zero. The shape is fixed, so no host sync is needed."""
+    rows at or past ``masked_m[e]`` are zero. The shape is fixed, so no host sync is needed.
+    ``expected_m``: the rows an expert is expected to hold, known on the host from the shapes
+    (as DeepGEMM's masked GEMM takes it); it picks the GEMM's tiles. None: unknown."""
 
     hidden: torch.Tensor
     masked_m: torch.Tensor
+    expected_m: int | None = None
 
 
 RecvTokens = DispatchOutput | MaskedDispatchOutput

@@ -104,7 +104,8 @@ class EmulatedDispatcher(Dispatcher):
         received = hidden.index_select(0, source)  # [rows, D]: the copy a receive would make
         if self.mode == "low_latency":
             recv = MaskedDispatchOutput(received.view(self.num_local, per_slot, hidden.shape[1]),
-                                        self._const("masked_m", per_slot, self.num_local, device))
+                                        self._const("masked_m", per_slot, self.num_local, device),
+                                        expected_m=per_slot)
         else:
             seg = self._const("seg_indptr", rows, self.num_local, device)
             recv = DispatchOutput(received, seg, seg.diff(), tail_rows=False)

@@ -255,7 +255,10 @@ class TorchLowLatencyDispatcher(Dispatcher):
         by_expert = pending.recv.transpose(0, 1).reshape(e_local, n * cap, dim)  # [E_local, N * C, D]
         out = torch.empty_like(by_expert).scatter_(1, rows.unsqueeze(-1).expand(-1, -1, dim), by_expert)
         pending.handle.layout_rows = rows
-        return MaskedDispatchOutput(out, masked_m), pending.handle
+        # every rank sends T * k rows over all N * E_local experts: T * k / E_local an expert, if
+        # the other ranks have as many tokens as this one
+        tokens, k = pending.handle.topk_ids.shape
+        return MaskedDispatchOutput(out, masked_m, expected_m=-(-tokens * k // e_local)), pending.handle
 
     def combine_a(self, expert_out: torch.Tensor, handle: LowLatencyHandle) -> _CombinePending:
         """``expert_out [E_local, N * C, D]`` in the masked layout; starts sending it back."""

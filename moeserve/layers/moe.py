@@ -93,7 +93,8 @@ class Experts(nn.Module):
             x_fp8, x_scale = fp8.per_token_group_quant_fp8(x, fp8.FP8_BLOCK)
             x, fp8_args = x_fp8, {"x_scale": x_scale, "w_scale": w_scale, "out_dtype": x.dtype}
         if isinstance(recv, MaskedDispatchOutput):
-            return grouped_gemm_masked(x, w, recv.masked_m, **fp8_args, fuse_silu_and_mul=gated)
+            return grouped_gemm_masked(x, w, recv.masked_m, **fp8_args, fuse_silu_and_mul=gated,
+                                       expected_m=recv.expected_m)
         return grouped_gemm_contiguous(x, w, recv.seg_indptr, **fp8_args, tail_rows=recv.tail_rows,
                                        fuse_silu_and_mul=gated)
 

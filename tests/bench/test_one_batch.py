@@ -106,3 +106,20 @@ def test_a_preset_builds_a_short_stack_of_its_shapes_with_dummy_weights():
     assert cfg.scheduler.max_running_requests == 128 and cfg.cache.max_total_tokens == 4096
     with pytest.raises(ValueError, match="--load-format dummy"):
         engine_config_from_args(parse(["--preset", "dsv3", "--load-format", "auto"]), 1)
+
+
+def test_roofline_ratios_are_each_time_over_its_floor_and_need_a_gpu(runner, capsys):
+    from moeserve.bench import roofline as rl
+    from moeserve.bench.kernels import Ceilings
+    from moeserve.bench.one_batch import attach_roofline
+
+    r = bench_one_batch(runner, batch_size=2, input_len=9, output_len=3, max_prefill_tokens=8, warmup=False)
+    ceilings = Ceilings(copy_gbps=1.0, bf16_tflops=0.5, fp8_tflops=1.0)
+    attach_roofline(runner.config, r, ceilings)
+    m = runner.config.model
+    prefill = rl.roofline(rl.prefill_work(m, 2, 9, "fp32", 4), ceilings, "fp32").step_s
+    decode = rl.roofline(rl.decode_work(m, 2, 10, "fp32", 4), ceilings, "fp32").step_s
+    assert r.prefill_of_roofline == pytest.approx(r.prefill_s / prefill)
+    assert r.decode_of_roofline == pytest.approx(r.decode_step_ms / 1e3 / decode)
+    assert main(["bench", "one-batch", "--preset", "dsv3", "--num-layers", "2", "--device", "cpu", "--roofline"]) != 0
+    assert "--roofline measures the GPU's ceilings: it needs --device cuda" in capsys.readouterr().err

@@ -39,6 +39,7 @@ def test_emulated_dispatch_hands_over_the_busiest_ranks_rows_in_each_layout():
     masked, handle = EmulatedDispatcher("low_latency", 3, group, 1).dispatch(hidden, ids, weights)
     assert isinstance(masked, MaskedDispatchOutput)
     assert masked.hidden.shape == (3, 14, 16) and masked.masked_m.tolist() == [14, 14, 14]
+    assert masked.expected_m == 14  # every slot holds the busiest rank's share: the GEMM's tile hint
     assert EmulatedDispatcher("low_latency", 3, group, 1).combine(masked.hidden, handle).shape == (10, 16)
     per_layer = EmulatedEP(4, {1: 1.0, 2: 0.25})
     assert per_layer.busiest_rows(1, 20) == 20 and per_layer.busiest_rows(2, 20) == 80

@@ -125,6 +125,8 @@ def check_dispatchers(ep: Group, num_experts: int, top_k: int, rounds: list[list
             recv, handle = dispatcher.dispatch(*mine)
             if name == "low_latency":
                 _check_masked(recv, p, ep.rank * e_local, ep.size * capacity, what)
+                # this rank's T * k rows spread over the local experts' share: the tile hint
+                assert recv.expected_m == -(-mine[1].numel() // e_local), f"{what}: expected_m"
             else:
                 _check_contiguous(recv, p, ep.rank * e_local, dispatcher.alignment, what)
             out = dispatcher.combine(experts(recv), handle)

@@ -289,10 +289,12 @@ GPU_CONTIGUOUS = [
     # (experts, mean rows, fp8, config): default configs in both regimes, then explicit ones
     (8, 300, False, None), (16, 3, False, None), (8, 300, True, None), (16, 3, True, None),
     (8, 300, False, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "ctas_per_sm": 1}),
-    (8, 300, True, {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}),
+    (8, 300, True, {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "HOPPER": 0}),
     (16, 3, True, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 6, "ctas_per_sm": 4}),
     (8, 300, False, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": 1}),
-    (8, 300, True, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "TMA": 1}),
+    (8, 300, True, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4, "TMA": 1,
+                    "HOPPER": 0}),
+    (8, 300, True, {"HOPPER": 0}),  # the Triton kernel's default large tiles, where Hopper takes Gluon
     (16, 3, False, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "TMA": 1}),
 ]
 
@@ -461,6 +463,105 @@ def test_gpu_cuda_graph_replays_new_segments(fp8: bool) -> None:
     torch.cuda.synchronize()
     assert _rel(out_c, grouped_gemm_contiguous_ref(x, w, seg, xs, ws, torch.float32)) < 1e-2
     assert _rel(out_m, grouped_gemm_masked_ref(xm, wm, masked_m, xms, wms, torch.float32)) < 1e-2
+
+
+def _needs_hopper() -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon FP8 kernel runs on Hopper (compute capability 9.0)")
+
+
+GLUON_CONTIGUOUS = [
+    # (rows per expert, N, K, padding rows, rows before seg_indptr[0])
+    ([300, 0, 1, 129, 0, 1000], 4096, 7168, 77, 0),
+    ([5, 200], 2112, 1600, 3, 0),  # partial N and K blocks
+    ([130, 70], 256, 512, 10, 5),  # rows before the first segment are zero as well
+    ([0, 0, 0], 256, 512, 40, 0),  # no live rows: zeros only
+    ([100, 130], 256, 512, 0, 0),  # the last tile's second warpgroup has no rows, and they would lie past x
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts, n, k, pad, first", GLUON_CONTIGUOUS)
+def test_gpu_gluon_fp8_contiguous(counts: list[int], n: int, k: int, pad: int, first: int) -> None:
+    """The Gluon kernel (``gemm_hopper``) in the contiguous layout against the reference and the
+    Triton kernel: every live row, zeros everywhere else."""
+    _needs_hopper()
+    from moeserve.kernels.triton import gemm as tg
+
+    seg = torch.tensor([first, *counts], device="cuda").cumsum(0)
+    x = torch.randn(int(seg[-1]) + pad, k, device="cuda")
+    xq, xs = _quant_rows(x)
+    wq, ws = _quant_experts(torch.randn(len(counts), n, k, device="cuda") / k**0.5)
+    _poison_allocator(x.shape[0] * n * 2)
+    out = tg.grouped_gemm_contiguous(xq, wq, seg, xs, ws, config={"HOPPER": 1})
+    ref = grouped_gemm_contiguous_ref(xq, wq, seg, xs, ws, out_dtype=torch.float32)
+    assert _rel(out, ref) < 1e-2
+    assert (out[: int(seg[0])] == 0).all() and (out[int(seg[-1]):] == 0).all()
+    triton_out = tg.grouped_gemm_contiguous(xq, wq, seg, xs, ws, config={"HOPPER": 0})
+    assert _rel(out, triton_out) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_fp8_masked_takes_wide_batches_by_expected_m() -> None:
+    """``expected_m`` of 256 rows or more sends FP8 masked calls to the Gluon kernel (which does
+    not fuse SiLU-and-mul); the output is the reference's either way."""
+    _needs_hopper()
+    from moeserve.kernels.grouped_gemm import grouped_gemm_masked
+    from moeserve.kernels.triton import gemm as tg
+
+    for m_max, counts in ((512, [0, 512, 37, 300]), (288, [288, 0, 288, 288])):  # 288: a partial last tile
+        x, w, xs, ws = _gpu_masked_inputs(4, m_max, 2 * 384, 1024 + 64, fp8=True)
+        masked_m = torch.tensor(counts, device="cuda", dtype=torch.int32)
+        ref = silu_and_mul_ref(grouped_gemm_masked_ref(x, w, masked_m, xs, ws, out_dtype=torch.float32))
+        assert not tg.masked_fuses_silu_and_mul(x, w, expected_m=m_max)
+        assert tg.masked_fuses_silu_and_mul(x, w, expected_m=32) and tg.masked_fuses_silu_and_mul(x, w)
+        for expected in (None, 32, m_max):
+            _poison_allocator(4 * m_max * 384 * 2)
+            out = grouped_gemm_masked(x, w, masked_m, xs, ws, fuse_silu_and_mul=True, expected_m=expected)
+            assert _rel(out, ref) < 1e-2
+            assert all((out[e, int(masked_m[e]):] == 0).all() for e in range(4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(4096, 4096, 7168), (333, 2112, 7168), (128, 24576, 1536), (256, 4096, 7168)])
+def test_gpu_gluon_fp8_block_gemm(m: int, n: int, k: int) -> None:
+    _needs_hopper()
+    xq, xs = _quant_rows(torch.randn(m, k, device="cuda"))
+    wq, ws = block_quant_fp8(torch.randn(n, k, device="cuda") / k**0.5)
+    _poison_allocator(m * n * 2)
+    out = fp8_block_gemm(xq, xs, wq, ws)  # 128 rows or more: the Gluon kernel on Hopper
+    assert _rel(out, fp8_block_gemm_ref(xq, xs, wq, ws, torch.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_fp8_block_gemm_splits_k_into_partial_sums() -> None:
+    _needs_hopper()
+    from moeserve.kernels.triton import gemm as tg
+
+    xq, xs = _quant_rows(torch.randn(130, 1536, device="cuda"))
+    wq, ws = block_quant_fp8(torch.randn(576, 1536, device="cuda") / 1536**0.5)
+    ref = fp8_block_gemm_ref(xq, xs, wq, ws, torch.float32)
+    for split in (2, 3, 5):  # 12 K-steps: splits of 6, 4 and 3 steps (the last of 5 splits is empty)
+        assert _rel(tg.fp8_block_gemm(xq, xs, wq, ws, config={"SPLIT_K": split}), ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_cuda_graph_replays_new_segments() -> None:
+    _needs_hopper()
+    from moeserve.kernels.triton import gemm as tg
+
+    x, w, seg, xs, ws = _gpu_contiguous_inputs(3, 400, 512, 1024, True, torch.bfloat16, seed=5)
+    run = lambda: tg.grouped_gemm_contiguous(x, w, seg, xs, ws)  # noqa: E731 - 400 rows an expert: Gluon
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    rows = x.shape[0] - 13
+    for counts in ([rows, 0, 0], [1, 2, rows - 3], [0, 0, 100]):
+        seg.copy_(_seg_indptr(counts, "cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(out, grouped_gemm_contiguous_ref(x, w, seg, xs, ws, torch.float32)) < 1e-2
 
 
 @pytest.mark.gpu

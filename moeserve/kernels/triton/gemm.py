@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -46,11 +47,13 @@ ZERO_M, ZERO_N = 64, 128
 # GROUP_M, num_warps, num_stages, ctas_per_sm (0: one program per work item; n: a persistent grid
 # of n programs per SM), SPLIT_K (dense layout only), TMA (1: operand tiles through tensor
 # descriptors, Hopper's copy engine; falls back to pointer loads where the operands do not allow
-# it) and WS (1, with TMA and 8 warps: ask Triton to warp-specialise the K loop). Starting points
-# for Hopper; re-tune with ``moeserve.bench.kernel_cases.gemm.sweep()``.
+# it), WS (1, with TMA and 8 warps: ask Triton to warp-specialise the K loop) and HOPPER (1: FP8
+# operands go to the Gluon kernel of ``gemm_hopper.py`` where it applies, a Hopper GPU and no fused
+# activation; the other keys then do not apply). Starting points for Hopper; re-tune with
+# ``moeserve.bench.kernel_cases.gemm.sweep()``.
 _LARGE = {  # many rows per expert: compute bound (TMA and WS apply from Hopper on; the H200 sweep's best)
     "fp8": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4,
-            "TMA": 1, "WS": 1},
+            "TMA": 1, "WS": 1, "HOPPER": 1},
     "16bit": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
               "TMA": 1},
     "fp32": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
@@ -62,8 +65,9 @@ _SMALL = {  # a few rows per expert: bound by reading the weights once; BLOCK_M 
 }
 _LARGE_ROWS = 128  # mean rows per expert from which the compute-bound config wins
 _MASKED_CTAS_PER_SM = 2
+_GLUON_MASKED_ROWS = 256
 _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "ctas_per_sm", "SPLIT_K",
-                "TMA", "WS")
+                "TMA", "WS", "HOPPER")
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -354,8 +358,8 @@ def _block_m_for(rows: float) -> int:
 def _by_rows(dtype: torch.dtype, rows: float) -> dict:
     kind = _kind(dtype)
     if rows >= _LARGE_ROWS:
-        return dict({"TMA": 0, "WS": 0}, **_LARGE[kind], ctas_per_sm=0, SPLIT_K=1)
-    return dict(_SMALL[kind], BLOCK_M=_block_m_for(rows), ctas_per_sm=0, SPLIT_K=1, TMA=0, WS=0)
+        return dict({"TMA": 0, "WS": 0, "HOPPER": 0}, **_LARGE[kind], ctas_per_sm=0, SPLIT_K=1)
+    return dict(_SMALL[kind], BLOCK_M=_block_m_for(rows), ctas_per_sm=0, SPLIT_K=1, TMA=0, WS=0, HOPPER=0)
 
 
 def contiguous_config(m: int, num_experts: int, n: int, k: int, dtype: torch.dtype) -> dict:
@@ -364,16 +368,34 @@ def contiguous_config(m: int, num_experts: int, n: int, k: int, dtype: torch.dty
     return _by_rows(dtype, m / max(num_experts, 1))
 
 
-def masked_config(m_max: int, num_experts: int, n: int, k: int, dtype: torch.dtype) -> dict:
+def masked_config(m_max: int, num_experts: int, n: int, k: int, dtype: torch.dtype,
+                  expected_m: int | None = None) -> dict:
     """Default launch config of the masked layout. It serves low-latency decode, where
     ``masked_m`` is mostly far below ``M_max``; a persistent grid skips the empty row blocks
-    without launching a program for each."""
-    return dict(_by_rows(dtype, min(m_max, 64)), ctas_per_sm=_MASKED_CTAS_PER_SM)
+    without launching a program for each. FP8 calls whose experts are expected to hold at least
+    ``_GLUON_MASKED_ROWS`` rows go to the Gluon kernel on Hopper (HOPPER): on the H200, at 4
+    experts x 512 rows (the decode rank of a 72-way EP layout) it ran in half the Triton
+    kernel's time, but at 32 experts x ~32 rows of a 1024-row M_max it took 1.36x as long
+    (docs/benchmarks.md), hence the expected rows and not M_max decide."""
+    hopper = int(dtype == FP8_DTYPE and expected_m is not None and expected_m >= _GLUON_MASKED_ROWS)
+    return dict(_by_rows(dtype, min(m_max, 64)), ctas_per_sm=_MASKED_CTAS_PER_SM, HOPPER=hopper)
+
+
+def masked_fuses_silu_and_mul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+                              expected_m: int | None = None) -> bool:
+    """Whether ``grouped_gemm_masked`` fuses SiLU-and-mul into these operands' call: the Triton
+    kernel does where the weights allow; the Gluon kernel, which takes wide FP8 batches on
+    Hopper, does not (the activation is then a pass of its own)."""
+    if not can_fuse_silu_and_mul(w):
+        return False
+    cfg = masked_config(x.shape[1], w.shape[0], w.shape[1], w.shape[2], x.dtype, expected_m)
+    return not (cfg["HOPPER"] and _gluon_takes(x, w, _out_dtype(x, out_dtype), False))
 
 
 def dense_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 132) -> dict:
     """Default launch config of ``fp8_block_gemm``; few rows and few column tiles split K so
-    that every SM streams part of the weight."""
+    that every SM streams part of the weight. From 128 rows on (128-row tiles) K is not split:
+    on the H200 the partial sums cost more than the idle SMs at 128 and 256 rows."""
     cfg = _by_rows(dtype, m)
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     k_steps = triton.cdiv(k, cfg["BLOCK_K"])
@@ -460,9 +482,14 @@ def _launch(layout: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, x_
     """Launch over ``x [B, rows, K]``, ``w [E, N, K]`` (``[E, 2N, K]`` with ``glu``), ``out [S, B,
     rows, N]`` (``x_scale [B, rows, Kb]``, ``w_scale [E, Nb, Kb]``); ``bound`` is an upper bound on
     the work items."""
+    fp8 = x_scale is not None
+    if fp8 and cfg["HOPPER"] and _gluon_takes(x, w, out.dtype, glu):
+        from moeserve.kernels.triton import gemm_hopper
+
+        gemm_hopper.launch(layout, x, w, out, x_scale, w_scale, index, rows)
+        return
     num_e, n, k = w.shape
     n = n // 2 if glu else n
-    fp8 = x_scale is not None
     batched = layout == _MASKED  # else the one batch is reached with stride 0
     if fp8:
         xs, ws = x_scale, w_scale
@@ -488,6 +515,19 @@ def _launch(layout: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, x_
         ZERO_M=ZERO_M, ZERO_N=ZERO_N, TMA=descs is not None, WS=bool(cfg["WS"]) and descs is not None, GLU=glu,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def _gluon_takes(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, glu: bool) -> bool:
+    """Whether ``gemm_hopper``'s Gluon kernel takes these FP8 operands (imported only on a GPU
+    where it may run). ``MOESERVE_FP8_GEMM=triton`` in the environment keeps every call on the
+    Triton kernel, for side-by-side benchmarks."""
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    if os.environ.get("MOESERVE_FP8_GEMM") == "triton":
+        return False
+    from moeserve.kernels.triton import gemm_hopper
+
+    return gemm_hopper.supported(x, w, out_dtype, glu)
 
 
 def _tma_descriptors(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> tuple | None:
@@ -561,7 +601,7 @@ def _halve_n(cfg: dict, glu: bool) -> dict:
 def grouped_gemm_masked(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor,
                         x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
                         out_dtype: torch.dtype | None = None, *, fuse_silu_and_mul: bool = False,
-                        config: dict | None = None) -> torch.Tensor:
+                        expected_m: int | None = None, config: dict | None = None) -> torch.Tensor:
     """``x [E, M_max, K]``, ``w [E, N, K]``, ``masked_m [E]`` -> ``[E, M_max, N]`` (``N / 2``
     columns with ``fuse_silu_and_mul``); see ``kernels.grouped_gemm.grouped_gemm_masked`` for the
     contract."""
@@ -577,7 +617,8 @@ def grouped_gemm_masked(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor
         return out
     if k == 0:
         return out.zero_()
-    cfg = _resolve(_halve_n(masked_config(m_max, num_e, n, k, x.dtype), fuse_silu_and_mul), config, fp8, _MASKED)
+    cfg = _resolve(_halve_n(masked_config(m_max, num_e, n, k, x.dtype, expected_m), fuse_silu_and_mul), config, fp8,
+                   _MASKED)
     bound = num_e * (triton.cdiv(m_max, cfg["BLOCK_M"]) * triton.cdiv(n_out, cfg["BLOCK_N"])
                      + triton.cdiv(m_max, ZERO_M))
     _launch(_MASKED, x, w, out[None], x_scale, w_scale, masked_m, m_max, cfg, bound, fuse_silu_and_mul)
