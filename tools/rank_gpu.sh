@@ -21,7 +21,7 @@ for s in ${STEPS:-validate prefill decode}; do
     validate)
         # one-batch: batch 8 gives the prefill (16,000 tokens in one pass), batch 128 the decode step
         $M bench one-batch --preset dsv3 --num-layers 4 --quantization fp8 --batch-size 8 128 --input-len 2000 \
-            --output-len 4 --json "$OUT/one_batch.json" || status=1
+            --output-len 16 --json "$OUT/one_batch.json" || status=1
         $M bench rank --num-layers 4 --quantization fp8 --role decode --ep-size 1 --batch-per-rank 128 \
             --context 2000 --repeats "$REPEATS" --json "$OUT/rank_ep1_decode.json" || status=1
         $M bench rank --num-layers 4 --quantization fp8 --role prefill --ep-size 1 --tokens-per-rank 16000 \
