@@ -2,6 +2,7 @@
 # The one-rank emulator on one GPU, in steps (each writes JSON under $OUT):
 #
 #   OUT=/some/dir STEPS="validate prefill decode" bash tools/rank_gpu.sh
+#   OUT=/some/dir bash tools/rank_gpu.sh validate        # steps as arguments work too
 #
 #   validate  at EP 1 (4 layers, all 256 experts here, FP8): bench rank's step beside bench
 #             one-batch's at the same shapes (decode: 128 sequences over 2,000 tokens; prefill:
@@ -16,7 +17,7 @@ REPEATS="${REPEATS:-5}"
 mkdir -p "$OUT"
 M="python3 -m moeserve.server.cli"
 status=0
-for s in ${STEPS:-validate prefill decode}; do
+for s in ${*:-${STEPS:-validate prefill decode}}; do
     case $s in
     validate)
         # one-batch: batch 8 gives the prefill (16,000 tokens in one pass), batch 128 the decode step
