@@ -62,7 +62,6 @@ from moeserve.models.loader import checkpoint_slots
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 CHECK_SHAPE = (2, 16)  # prompts of the same-logits check, batch x length
-WEIGHT_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def add_compare_hf_args(p: argparse.ArgumentParser) -> None:
@@ -437,10 +436,9 @@ def compare(runner: ModelRunner, spec: CompareSpec, ceilings: Ceilings, attn_imp
 
     cfg = runner.config
     m, device = cfg.model, torch.device(cfg.load.device)
-    weight_dtype = "fp8" if cfg.load.quantization == "fp8" else WEIGHT_DTYPE_NAMES[cfg.load.torch_dtype(m)]
+    weight_dtype, kv_bytes = rl.engine_dtypes(cfg)
     if weight_dtype == "fp8":
         raise ValueError("compare-hf compares unquantized weights (transformers runs them as they are)")
-    kv_bytes = torch.empty((), dtype=cfg.load.torch_dtype(m)).element_size()
     cells = [_roofline_cell("decode", m, b, ctx, ceilings, weight_dtype, kv_bytes)
              for b in spec.batch_sizes for ctx in spec.contexts]
     cells += [_roofline_cell("prefill", m, b, n, ceilings, weight_dtype, kv_bytes) for b, n in spec.prefill]

@@ -292,9 +292,7 @@ def attach_roofline(config: EngineConfig, result: OneBatchResult, ceilings) -> N
     from moeserve.bench import roofline as rl
 
     m = config.model
-    weights = "fp8" if config.load.quantization == "fp8" else {
-        torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[config.load.torch_dtype(m)]
-    kv_bytes = torch.empty((), dtype=config.load.torch_dtype(m)).element_size()
+    weights, kv_bytes = rl.engine_dtypes(config)
     b, n = result.batch_size, result.input_len
     floor = rl.roofline(rl.prefill_work(m, b, n, weights, kv_bytes), ceilings, weights).step_s
     result.prefill_of_roofline = result.prefill_s / floor

@@ -32,10 +32,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from moeserve.bench.kernels import Ceilings
-from moeserve.config import ModelConfig
+from moeserve.config import EngineConfig, ModelConfig
 
 WEIGHT_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+WEIGHT_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 FP8_BLOCK = (128, 128)
 
 
@@ -179,6 +182,14 @@ def prefill_work(m: ModelConfig, batch: int, input_len: int, weight_dtype: str =
     causal_pairs = input_len * (input_len + 1) // 2  # (query, key) pairs per sequence
     attention = 2.0 * m.num_layers * batch * m.num_heads * (m.qk_head_dim + m.v_head_dim) * causal_pairs
     return StepWork(weight_bytes(m, weight_dtype, experts), kv, linear, attention, experts)
+
+
+def engine_dtypes(config: EngineConfig) -> tuple[str, int]:
+    """``(weight dtype, KV bytes a value)`` of an engine as the floors count them: ``"fp8"`` with
+    FP8 weights, else the compute dtype's name; the cache in the compute dtype."""
+    dtype = config.load.torch_dtype(config.model)
+    weights = "fp8" if config.load.quantization == "fp8" else WEIGHT_DTYPE_NAMES[dtype]
+    return weights, torch.empty((), dtype=dtype).element_size()
 
 
 def roofline(work: StepWork, ceilings: Ceilings, weight_dtype: str = "bf16") -> Roofline:

@@ -7,16 +7,16 @@ DeepGEMM calls it). Written in plain Triton the whole CTA waits for every step's
 rescales, and loads, MMAs and promotion never overlap; it stays near 60% of the FP8 matmul rate.
 Here, per persistent CTA:
 
-- a one-warp worker partition loads the tiles of x and w with the copy engine (TMA) into a ring
-  of ``STAGES`` shared-memory buffers, running ahead across output tiles;
-- the default partition (two warpgroups, 64 rows of a 128-row tile each) issues the MMAs. With
-  ``OVERLAP`` it keeps two steps in flight: step ``k + 1``'s MMA runs while step ``k``'s result
-  is promoted, so the tensor cores do not wait for the CUDA cores (three 64-register tiles per
-  thread: the sum and two step results). Without it each step's MMA is waited for, as DeepGEMM
-  does, and the two warpgroups overlap each other's promotion.
-- the output tile goes to memory with masked stores (a tile can end inside the next expert's
-  rows, which the copy engine's stores would overwrite), then zeros over the rows the layout
-  says are zero, as ``triton/gemm.py`` does.
+- a one-warp partition loads the tiles of x and w with the copy engine (TMA) into a ring of
+  ``STAGES`` shared-memory buffers, running ahead across output tiles;
+- two MMA warpgroups (the default partition and a worker, 64 rows of a 128-row tile each) issue
+  the MMAs. With ``OVERLAP`` each takes the K-steps in pairs, into two register tiles: the second
+  step's MMA runs while the first step's result is promoted, so the tensor cores do not wait for
+  the CUDA cores (three 64 x ``BLOCK_N`` fp32 tiles per warpgroup: the sum and the pair). Without
+  it each step's MMA is waited for, as DeepGEMM does, and the warpgroups overlap each other's
+  promotion. Each warpgroup stores its rows with masked stores (a tile can end inside the next
+  expert's rows, which the copy engine's stores would overwrite); warpgroup 0 then writes zeros
+  over the rows the layout says are zero, as ``triton/gemm.py`` does.
 
 The work list is the one of ``triton/gemm.py`` (live tiles expert by expert, ``GROUP_M`` m-tiles
 walked down before moving right), built on the device from the layout's row counts, so a call
@@ -144,7 +144,8 @@ def _tile(t, offs, lo, cnt, work, work_end, N, K, BLOCK_M: gl.constexpr, BLOCK_N
 def _loader(args, LAYOUT: gl.constexpr, E_POW2: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
             STAGES: gl.constexpr, OVERLAP: gl.constexpr, SPLIT_K: gl.constexpr, HALF: gl.constexpr):
     """One warp: the x and w tiles of every K-step of this CTA's tiles, into the ring (x as two
-    64-row halves, one for each MMA warpgroup)."""
+    64-row halves, one for each MMA warpgroup). Worker partitions share one signature, so this
+    takes ``_mma_warpgroup``'s arguments and leaves the ones it does not need."""
     (a_desc, b_desc, a_bufs, b_bufs, ready, empty, out_ptr, xs_ptr, ws_ptr, seg_ptr, M, N, K, E, batch_rows,
      strides) = args
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
