@@ -22,6 +22,7 @@ import torch
 
 from moeserve.distributed.groups import Group
 from moeserve.kernels.combine import topk_weighted_sum
+from moeserve.kernels.expert_order import expert_order
 
 
 @dataclass
@@ -94,7 +95,7 @@ class Dispatcher(ABC):
 
 @dataclass
 class LocalHandle:
-    order: torch.Tensor  # [T * k] dispatched row j holds (token, choice) order[j] of the flat top-k
+    position: torch.Tensor  # [T * k]: the dispatched row holding each flat (token, choice)
     topk_weights: torch.Tensor  # [T, k]
 
 
@@ -110,31 +111,19 @@ class LocalDispatcher(Dispatcher):
         self.num_experts = num_experts
 
     def dispatch_a(self, hidden, topk_ids, topk_weights):
-        flat_ids = topk_ids.flatten()  # [T * k]
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=hidden.device)
-        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # bincount would sync on CUDA
-        seg_indptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-        recv = DispatchOutput(hidden.index_select(0, order // topk_ids.shape[1]), seg_indptr, counts,
-                              tail_rows=False)
-        return recv, LocalHandle(order, topk_weights)
+        layout = expert_order(topk_ids.flatten(), self.num_experts)
+        recv = DispatchOutput(hidden.index_select(0, layout.order // topk_ids.shape[1]), layout.seg_indptr,
+                              layout.counts, tail_rows=False)
+        return recv, LocalHandle(layout.position, topk_weights)
 
     def dispatch_b(self, pending):
         return pending
 
     def combine_a(self, expert_out, handle):
-        return topk_weighted_sum(expert_out, handle.topk_weights, topk_positions(handle.order))
+        return topk_weighted_sum(expert_out, handle.topk_weights, handle.position)
 
     def combine_b(self, pending):
         return pending
-
-
-def topk_positions(order: torch.Tensor) -> torch.Tensor:
-    """``order [T * k]`` (row ``j`` holds flat (token, choice) ``order[j]``) -> where each flat
-    (token, choice) row sits: the ``position`` argument of ``topk_weighted_sum``."""
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.shape[0], device=order.device)
-    return position
 
 
 DISPATCH_MODES = ("none", "normal", "low_latency")

@@ -25,6 +25,7 @@ import torch
 
 from moeserve.distributed.dispatcher import Dispatcher, DispatchOutput, LocalDispatcher, MaskedDispatchOutput
 from moeserve.kernels.combine import topk_weighted_sum
+from moeserve.kernels.expert_order import expert_order
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class EmulatedDispatcher(Dispatcher):
             rows = per_slot * self.num_local
         device = hidden.device
         # the layout step of a real dispatch: this rank's (token, choice) rows sorted by expert
-        order = torch.argsort(topk_ids.flatten(), stable=True)
+        order = expert_order(topk_ids.flatten(), self.num_local * self.group.ep_size).order
         source = order.index_select(0, self._const("cycle", rows, max(sent, 1), device)) // k if sent else order
         received = hidden.index_select(0, source)  # [rows, D]: the copy a receive would make
         if self.mode == "low_latency":

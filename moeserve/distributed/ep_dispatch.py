@@ -22,14 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve.distributed.dispatcher import (
-    Dispatcher,
-    DispatchOutput,
-    MaskedDispatchOutput,
-    topk_positions,
-)
+from moeserve.distributed.dispatcher import Dispatcher, DispatchOutput, MaskedDispatchOutput
 from moeserve.distributed.groups import Group
 from moeserve.kernels.combine import topk_weighted_sum
+from moeserve.kernels.expert_order import expert_order
 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, ep: Group, out_splits: list[int] | None = None,
@@ -59,7 +55,7 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
 class NormalHandle:
     """What ``TorchNormalDispatcher.combine`` needs. ``S`` rows sent, ``R`` rows received."""
 
-    order: torch.Tensor  # [S = T * k] int64: flat (token, choice) of each sent row (physical-expert order)
+    position: torch.Tensor  # [S = T * k] int64: the sent row (in physical-expert order) of each flat (token, choice)
     topk_weights: torch.Tensor  # [T, k]
     send_splits: list[int]  # [N]: rows sent to each rank
     recv_splits: list[int]  # [N]: rows received from each rank
@@ -114,9 +110,8 @@ class TorchNormalDispatcher(Dispatcher):
                    topk_weights: torch.Tensor) -> _NormalDispatchPending:
         """``hidden [T, D]``, ``topk_ids [T, k]`` int64 in ``[0, E)``, ``topk_weights [T, k]`` fp32."""
         n, e_local = self.ep.size, self.num_local_experts
-        flat_ids = topk_ids.flatten()  # [T * k]
-        order = torch.argsort(flat_ids, stable=True)  # physical-expert order is destination-rank order
-        send_counts = torch.bincount(flat_ids, minlength=n * e_local).view(n, e_local)
+        layout = expert_order(topk_ids.flatten(), n * e_local)  # physical-expert order is destination-rank order
+        send_counts = layout.counts.view(n, e_local)
         recv_counts = torch.empty_like(send_counts)
         _wait(_all_to_all(recv_counts, send_counts, self.ep))
         host = torch.cat([send_counts.sum(1), recv_counts.flatten()]).tolist()  # the one host sync
@@ -127,10 +122,10 @@ class TorchNormalDispatcher(Dispatcher):
         for count in tokens_per_expert:
             seg_starts.append(seg_starts[-1] + -(-count // self.alignment) * self.alignment)
 
-        token_index = order // topk_ids.shape[1]  # [S]
+        token_index = layout.order // topk_ids.shape[1]  # [S]
         recv = hidden.new_empty(sum(recv_splits), hidden.shape[1])  # [R, D]
         work = _all_to_all(recv, hidden.index_select(0, token_index), self.ep, recv_splits, send_splits)
-        handle = NormalHandle(order, topk_weights, send_splits, recv_splits,
+        handle = NormalHandle(layout.position, topk_weights, send_splits, recv_splits,
                               layout_rows=token_index.new_empty(0), num_tokens=hidden.shape[0])
         return _NormalDispatchPending(recv, work, recv_counts, tokens_per_expert, seg_starts, handle)
 
@@ -158,7 +153,7 @@ class TorchNormalDispatcher(Dispatcher):
         """-> ``[T, D]`` in ``expert_out``'s dtype: ``sum_k topk_weights[t, k] * expert_k(hidden[t])``."""
         _wait(pending.work)
         handle = pending.handle  # pending.recv [S, D], rows in the order they were sent
-        return topk_weighted_sum(pending.recv, handle.topk_weights, topk_positions(handle.order))
+        return topk_weighted_sum(pending.recv, handle.topk_weights, handle.position)
 
 
 def _layout_rows(recv_counts: torch.Tensor, seg_indptr: torch.Tensor, num_recv: int) -> torch.Tensor:

@@ -92,6 +92,9 @@ class ExpertLocation:
         self.phy2log = placement.phy2log.to(device)  # [L, P]
         self.log2phy = placement.log2phy.to(device)  # [L, E, X]
         self.logcnt = placement.logcnt.to(device)  # [L, E]
+        # the static choice depends only on (layer, logical expert, rank): one table a rank, [L, E],
+        # made when a map asks for it and refreshed by ``update_layer``, so routing is one lookup
+        self._static: dict[int, torch.Tensor] = {}
 
     @property
     def width(self) -> int:
@@ -109,13 +112,32 @@ class ExpertLocation:
         self.phy2log[layer].copy_(new.phy2log[layer], non_blocking=True)
         self.log2phy[layer].copy_(new.log2phy[layer], non_blocking=True)
         self.logcnt[layer].copy_(new.logcnt[layer], non_blocking=True)
+        for ep_rank, table in self._static.items():
+            table[layer].copy_(static_slots(self.log2phy[layer], self.logcnt[layer], self.slots_per_rank, ep_rank))
+
+    def static_table(self, ep_rank: int) -> torch.Tensor:
+        """``[L, E]``: the physical slot rank ``ep_rank``'s static routing sends each logical expert
+        to (kept current by ``update_layer``)."""
+        if ep_rank not in self._static:
+            self._static[ep_rank] = static_slots(self.log2phy, self.logcnt, self.slots_per_rank, ep_rank)
+        return self._static[ep_rank]
 
     def layer_map(self, layer: int, ep_rank: int, algorithm: str = "static") -> LayerExpertMap:
         """One layer's routing to physical slots, reading this location's tensors (views)."""
         if algorithm not in DISPATCH_ALGORITHMS:
             raise ValueError(f"ep_dispatch_algorithm must be one of {DISPATCH_ALGORITHMS}, got {algorithm!r}")
+        static = self.static_table(ep_rank)[layer] if algorithm == "static" else None
         return LayerExpertMap(self.log2phy[layer], self.logcnt[layer], self.slots_per_rank, ep_rank,
-                              self.num_physical, algorithm)
+                              self.num_physical, algorithm, static)
+
+
+def static_slots(log2phy: torch.Tensor, logcnt: torch.Tensor, slots_per_rank: int, ep_rank: int) -> torch.Tensor:
+    """``log2phy [..., E, X]``, ``logcnt [..., E]`` -> ``[..., E]``: for each logical expert, a replica
+    on rank ``ep_rank`` if it has one (the first), else replica ``ep_rank mod logcnt`` (so the ranks
+    spread over the replicas)."""
+    local = (log2phy // slots_per_rank == ep_rank) & (log2phy >= 0)
+    choice = torch.where(local.any(-1), local.int().argmax(-1), ep_rank % logcnt)
+    return log2phy.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
 
 
 @dataclass(frozen=True)
@@ -130,6 +152,7 @@ class LayerExpertMap:
     ep_rank: int
     num_physical: int
     algorithm: str = "static"
+    static: torch.Tensor | None = None  # [logical]: the static choice (``static_slots``), a view; static only
 
     def to_physical(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Logical ``topk_ids [T, k]`` -> physical slots ``[T, k]``.
@@ -141,13 +164,11 @@ class LayerExpertMap:
         if self.algorithm == "fake":
             noise = torch.rand(topk_ids.shape[0], self.num_physical, device=topk_ids.device)
             return noise.topk(topk_ids.shape[1], dim=1).indices
+        if self.algorithm == "static":
+            return self.static[topk_ids]
         if self.log2phy.shape[1] == 1:
             return self.log2phy[topk_ids, 0]
         replicas = self.log2phy[topk_ids]  # [T, k, X]
         count = self.logcnt[topk_ids]  # [T, k]
-        if self.algorithm == "dynamic":
-            choice = (torch.rand(topk_ids.shape, device=topk_ids.device) * count).long().clamp_(max=count - 1)
-        else:
-            local = (replicas // self.slots_per_rank == self.ep_rank) & (replicas >= 0)
-            choice = torch.where(local.any(-1), local.int().argmax(-1), self.ep_rank % count)
+        choice = (torch.rand(topk_ids.shape, device=topk_ids.device) * count).long().clamp_(max=count - 1)
         return replicas.gather(2, choice.unsqueeze(-1)).squeeze(-1)

@@ -78,15 +78,21 @@ class DecoderLayer(nn.Module):
 
         prefill: around the dispatch and the combine, so that while one micro-batch's all-to-all
         is in flight the other's computation is queued (and its host-blocking dispatch starts only
-        after that); decode: five stages a layer, which the executor runs two stages apart."""
+        after that); decode: five stages a layer, which the executor runs two stages apart. In
+        decode each all-to-all is in flight while the other micro-batch computes one stage: the
+        dispatch (FP8) behind its input norm and attention projections, the combine (BF16, twice
+        the bytes) behind its attention core, output projection and gate, and behind this micro-
+        batch's shared experts, which therefore run after the combine is issued rather than after
+        the dispatch (SGLang's order); ``bench rank`` measured the difference (docs/benchmarks.md)."""
         if not self.is_moe:
             return [self.op_input_norm, self.op_attn_prepare, self.op_attn_core, self.op_attn_output,
                     self.op_post_norm, self.op_dense_mlp]
         if strategy == "decode":
             return [self.op_input_norm, self.op_attn_prepare, YIELD,
                     self.op_attn_core, self.op_attn_output, self.op_post_norm, self.op_mlp_gate, YIELD,
-                    self.op_moe_dispatch_a, self.op_shared_experts, YIELD,
-                    self.op_moe_dispatch_b, self.op_moe_experts, self.op_moe_combine_a, YIELD,
+                    self.op_moe_dispatch_a, YIELD,
+                    self.op_moe_dispatch_b, self.op_moe_experts, self.op_moe_combine_a,
+                    self.op_shared_experts, YIELD,
                     self.op_moe_combine_b, YIELD]
         ops = [self.op_input_norm, self.op_attn_prepare, self.op_attn_core, self.op_attn_output, self.op_post_norm,
                self.op_mlp_gate, YIELD, self.op_moe_dispatch_a, YIELD, self.op_moe_dispatch_b, self.op_shared_experts,

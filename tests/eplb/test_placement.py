@@ -58,3 +58,32 @@ def test_update_layer_changes_values_in_place_and_routing_follows():
     assert routing.to_physical(torch.tensor([[0, 3]])).tolist() == [[3, 0]]  # the old map object sees it
     with pytest.raises(ValueError, match="cannot replace"):
         loc.update_layer(0, ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 2, 3, 0, 1]]), 4, ep_size=2))
+
+
+def _static_reference(place: ExpertPlacement, layer: int, ep_rank: int, expert: int) -> int:
+    """The static rule, one expert at a time: the first replica on the rank, else replica ``rank mod count``."""
+    replicas = place.log2phy[layer, expert, :place.logcnt[layer, expert]].tolist()
+    local = [p for p in replicas if p // place.slots_per_rank == ep_rank]
+    return local[0] if local else replicas[ep_rank % len(replicas)]
+
+
+def test_static_routing_is_one_table_a_rank_that_follows_every_rebalance():
+    gen = torch.Generator().manual_seed(1)
+    logical, ep = 16, 4
+
+    def random_placement(layers: int = 3) -> ExpertPlacement:  # every expert once, 8 replicas at random
+        extra = torch.randint(0, logical, (layers, 8), generator=gen)
+        rows = [torch.cat([torch.arange(logical), e])[torch.randperm(logical + 8, generator=gen)] for e in extra]
+        return ExpertPlacement.from_phy2log(torch.stack(rows), logical, ep_size=ep)
+
+    place = random_placement()
+    loc = ExpertLocation(place, "cpu")
+    maps = {(layer, r): loc.layer_map(layer, r) for layer in range(3) for r in range(ep)}
+    ids = torch.arange(logical).repeat(2, 1).T  # [16, 2]: every expert, twice
+    for step in range(3):
+        for (layer, r), m in maps.items():
+            want = [_static_reference(place, layer, r, e) for e in range(logical)]
+            assert m.to_physical(ids)[:, 1].tolist() == want, (step, layer, r)
+        place = random_placement()
+        for layer in range(3):
+            loc.update_layer(layer, place)

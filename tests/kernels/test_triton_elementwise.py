@@ -192,6 +192,22 @@ def check_topk_weighted_sum(device: str, dtype: torch.dtype, n_tokens: int, k: i
     torch.testing.assert_close(out, topk_weighted_sum_ref(rows, weights, position), rtol=REL_TOL[dtype], atol=1e-3)
 
 
+def check_expert_order(device: str, n: int, num_experts: int, dtype: torch.dtype = torch.int64) -> None:
+    """The Triton layout step equals a stable sort, and its counts and segment starts a count."""
+    from moeserve.kernels.expert_order import expert_order_ref
+    from moeserve.kernels.triton import expert_order
+
+    ids = torch.randint(0, num_experts, (n,), device=device)
+    if n > 4:
+        ids[: n // 4] = num_experts - 1  # a run of ties, as a hot expert gives
+    order, position, seg_indptr, counts = expert_order.expert_order(ids.to(dtype), num_experts)
+    ref = expert_order_ref(ids, num_experts)
+    assert torch.equal(order, torch.argsort(ids, stable=True))
+    assert torch.equal(position, ref.position) and torch.equal(order[position], torch.arange(n, device=device))
+    assert torch.equal(counts, torch.bincount(ids, minlength=num_experts))
+    assert seg_indptr.tolist() == [0, *torch.cumsum(counts, 0).tolist()]
+
+
 gpu = pytest.mark.gpu
 
 
@@ -286,6 +302,12 @@ def test_router_logits_gpu_match_the_fp32_gemm(dtype: torch.dtype) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("n,num_experts", [(0, 8), (1, 1), (1024, 288), (2048, 256), (2049, 72), (8192, 288)])
+def test_expert_order_gpu(n: int, num_experts: int) -> None:
+    check_expert_order("cuda", n, num_experts)
+
+
+@gpu
 def test_public_functions_dispatch_to_triton_gpu() -> None:
     """The ``kernels/`` entry points run Triton on CUDA tensors and the references under "torch"."""
     from moeserve.kernels import activation, fp8, norm, rope, routing
@@ -357,6 +379,9 @@ INTERPRETED_CHECKS = {
     "select_experts_padded_groups": lambda: check_select_experts("cpu", 4, 18, 3, 3, 2, False, False),
     "topk_weighted_sum": lambda: check_topk_weighted_sum("cpu", f16, 5, 3, 40, True, pad=8, BLOCK_D=16),
     "topk_weighted_sum_in_order_fp32": lambda: check_topk_weighted_sum("cpu", f32, 4, 8, 24, False),
+    "expert_order": lambda: check_expert_order("cpu", 300, 37),
+    "expert_order_int32_one_expert": lambda: check_expert_order("cpu", 129, 1, torch.int32),
+    "expert_order_empty": lambda: check_expert_order("cpu", 0, 5),
 }
 
 

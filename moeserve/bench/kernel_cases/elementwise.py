@@ -1,5 +1,6 @@
 """Microbenchmark cases: the memory-bound kernels (RMSNorm, SiLU-and-mul, RoPE, per-token-group FP8
-quantization) and the router top-k, on DeepSeek-V3 shapes, each against its torch reference.
+quantization), the router top-k and the dispatch's layout step (``expert_order``, decode sizes), on
+DeepSeek-V3 shapes, each against its torch reference.
 
 ``cases()`` times the default launch configs; ``sweep()`` times candidate configs per shape,
 checks each against the reference, and prints the best, for the tables in ``kernels/triton/``.
@@ -94,7 +95,7 @@ def _shapes() -> list[Shape]:
     shapes = []
     for t in TOKENS:
         shapes += _norm_shapes(t) + _silu_shapes(t) + _rope_shapes(t) + _quant_shapes(t) + _routing_shapes(t)
-    return shapes
+    return shapes + _layout_shapes()
 
 
 # --- relative error checks ------------------------------------------------------------------------
@@ -217,3 +218,20 @@ def _routing_shapes(t: int) -> list[Shape]:
         lambda: select_experts_ref(*args), _routing_ok,
         bytes=t * N_EXPERTS * 4 + N_EXPERTS * 4 + t * TOP_K * (4 + 8),
         flops=t * N_EXPERTS * (3 + TOP_K), candidates=_grid(num_warps=[1, 2, 4, 8]))]
+
+
+def _layout_shapes() -> list[Shape]:
+    """The layout step over the 288 physical slots of the reference's decode (256 experts + 32
+    redundant), at a two-batch-overlap micro-batch, a decode rank's batch, and the kernel's limit."""
+    from moeserve.kernels.expert_order import TRITON_MAX_ROWS, expert_order_ref
+    from moeserve.kernels.triton import expert_order
+
+    slots, shapes = N_EXPERTS + 32, []
+    for t in (128, 256, TRITON_MAX_ROWS // TOP_K):
+        ids = torch.randint(0, slots, (t * TOP_K,), device=DEVICE)
+        shapes.append(Shape(
+            f"expert_order N={t * TOP_K} E={slots}", lambda c, ids=ids: expert_order.expert_order(ids, slots),
+            lambda ids=ids: tuple(vars(expert_order_ref(ids, slots)).values()),
+            lambda out, ref: all(torch.equal(a, b) for a, b in zip(out, ref)),
+            bytes=ids.numel() * 8 * 3 + (slots * 2 + 1) * 8, flops=float(ids.numel()) ** 2, candidates=[{}]))
+    return shapes
