@@ -18,6 +18,7 @@ from moeserve.bench.rank import OpRecord, RankRunner, RankSpec, build_step, rank
 from moeserve.config import ModelConfig
 from moeserve.distributed.dispatcher import LocalDispatcher, MaskedDispatchOutput
 from moeserve.distributed.emulated import EmulatedDispatcher, EmulatedEP
+from moeserve.executor import overlap
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.models.tiny import make_tiny_model
 
@@ -147,6 +148,43 @@ def test_an_emulated_rank_holds_its_share_and_at_ep1_gives_the_engines_logits(wi
     assert emulated.model.model.layers[1].mlp.experts.num_experts == 256
     step = build_step(emulated, alone)
     torch.testing.assert_close(emulated.forward(step), engine.forward(step), rtol=0, atol=0)
+
+
+def test_decode_overlap_hides_the_dispatch_behind_projections_and_the_combine_behind_the_shared_experts(wide_path):
+    """In decode's overlapped order (what the overlap executor runs), each micro-batch's dispatch is in
+    flight while the other micro-batch runs its norm and attention projections, and its combine while
+    the other runs attention core to gate and this one its shared experts (the combine carries BF16,
+    twice the dispatch's FP8 bytes)."""
+    with open(f"{wide_path}/config.json") as f:
+        model = ModelConfig.from_dict(json.load(f))
+    spec = RankSpec("decode", ep_size=72, redundant=32, batch_per_rank=4, context=8, two_batch_overlap=True)
+    runner = RankRunner(rank_config(model, spec, "cpu", None), spec)
+    order: list[tuple[int, int, str]] = []
+
+    def recorder(op):
+        return lambda mb, batch: order.append((mb, op.__self__.layer_id, op.__name__.removeprefix("op_")))
+
+    ops = [op if op is overlap.YIELD else recorder(op) for op in runner.model.operations(overlap.DECODE.name)]
+    overlap.run(ops, 0, None)
+    plain = list(order)
+    order.clear()
+    overlap.run_overlapped(ops, (0, 1), (None, None), overlap.DECODE.delta)
+    assert sorted(order) == sorted(plain + [(1, layer, name) for _, layer, name in plain])
+
+    def between(mb: int, layer: int, issue: str, wait: str) -> set[tuple[int, str]]:
+        start, end = order.index((mb, layer, issue)), order.index((mb, layer, wait))
+        return {(m, name) for m, _, name in order[start + 1:end]}
+
+    moe_layers = sorted({layer for _, layer, name in plain if name == "moe_dispatch_a"})
+    assert moe_layers
+    for layer in moe_layers[:-1]:  # the last layer's windows run into the model's end
+        for mb in (0, 1):
+            other = 1 - mb
+            assert {(other, "input_norm"), (other, "attn_prepare")} <= between(mb, layer, "moe_dispatch_a",
+                                                                               "moe_dispatch_b")
+            combine_window = between(mb, layer, "moe_combine_a", "moe_combine_b")
+            assert (mb, "shared_experts") in combine_window
+            assert {(other, "attn_core"), (other, "attn_output"), (other, "mlp_gate")} <= combine_window
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
