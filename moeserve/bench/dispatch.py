@@ -19,7 +19,8 @@ Bytes per rank, as DeepEP's tests count them, so the GB/s compare with its READM
 DeepEP's figures are its README's: H800 GPUs (NVLink ~160 GB/s), EP8, FP8 dispatch and BF16
 combine; normal kernels over NVLink, low-latency kernels over RDMA only. Here the payload is
 ``--dtype`` both ways and EP is the world size, so the FP8 column says what DeepEP's FP8
-dispatch would move for the same tokens.
+dispatch would move for the same tokens; with ``--fp8-dispatch`` the dispatchers send FP8 tokens
+with their 1x128 scales, as they do for FP8 experts, and the dispatch rows count those bytes.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def add_dispatch_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30, help="timed iterations of each call")
     p.add_argument("--no-cuda-graph", action="store_true", help="skip the low-latency CUDA-graph timings")
+    p.add_argument("--fp8-dispatch", action="store_true",
+                   help="dispatch FP8 tokens with their 1x128 scales (as for FP8 experts); combine stays --dtype")
     p.add_argument("--output-json", default=None, help="write the configuration and every row here")
 
 
@@ -87,6 +90,7 @@ class DispatchBenchConfig:
     warmup: int
     iters: int
     cuda_graph: bool
+    fp8_dispatch: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -106,7 +110,7 @@ class DispatchBenchConfig:
         world = args.world_size or (torch.cuda.device_count() if device == "cuda" else 2)
         dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
         return cls(world, device, args.hidden, args.top_k, args.num_experts, args.normal_tokens, args.ll_tokens,
-                   dtype, args.warmup, args.iters, device == "cuda" and not args.no_cuda_graph)
+                   dtype, args.warmup, args.iters, device == "cuda" and not args.no_cuda_graph, args.fp8_dispatch)
 
     @property
     def experts_per_rank(self) -> int:
@@ -119,6 +123,11 @@ class DispatchBenchConfig:
     @property
     def fp8_token_bytes(self) -> float:
         return self.hidden + self.hidden / FP8_GROUP * 4
+
+    @property
+    def dispatch_token_bytes(self) -> float:
+        """What the dispatch sends of one token (``fp8_dispatch``: its FP8 values and scales, in whole groups)."""
+        return self.hidden + -(-self.hidden // FP8_GROUP) * 4 if self.fp8_dispatch else self.token_bytes
 
 
 @dataclass
@@ -320,14 +329,15 @@ class _RankBench:
     def _normal(self) -> list[Row]:
         cfg, n = self.cfg, self.ep.size
         x = self._inputs(cfg.normal_tokens, seed=1)
-        dispatcher = TorchNormalDispatcher(self.ep, cfg.experts_per_rank)
+        dispatcher = TorchNormalDispatcher(self.ep, cfg.experts_per_rank, fp8=cfg.fp8_dispatch)
         dedup, pairs = self._sent_to_ranks(x)
         recv_total, recv_others = self._received(dedup)
-        moved = float(sum(pairs) - pairs[self.ep.rank]) * cfg.token_bytes  # this rank's rows to other ranks
-        moved = self._mean(moved)
+        rows_out = self._mean(float(sum(pairs) - pairs[self.ep.rank]))  # this rank's rows to other ranks
+        moved, moved_d = rows_out * cfg.token_bytes, rows_out * cfg.dispatch_token_bytes
         t_d, t_c = self._time_pair(lambda: dispatcher.dispatch(x.hidden, x.topk_ids, x.topk_weights),
-                                   lambda recv, handle: dispatcher.combine(recv.hidden, handle))
+                                   lambda recv, handle: dispatcher.combine(_expert_out(recv, x), handle))
         bytes_d, bytes_o = recv_total * cfg.token_bytes, recv_others * cfg.token_bytes
+        sent_d, sent_o = recv_total * cfg.dispatch_token_bytes, recv_others * cfg.dispatch_token_bytes
         fp8 = recv_total * cfg.fp8_token_bytes
         t_a2a = self._time_normal_a2a(x, pairs)
         bf16 = recv_total * cfg.hidden * 2
@@ -337,7 +347,7 @@ class _RankBench:
                               f"({payload / 1e6:.1f} MB) take {payload / gbps / 1e3:.1f} us")
         tokens = cfg.normal_tokens
         return [
-            Row("normal", "dispatch", "eager", tokens, t_d, bytes_d, bytes_o, moved, fp8, DEEPEP["normal", "dispatch"]),
+            Row("normal", "dispatch", "eager", tokens, t_d, sent_d, sent_o, moved_d, fp8, DEEPEP["normal", "dispatch"]),
             Row("normal", "combine", "eager", tokens, t_c, bytes_d, bytes_o, moved, 0.0, DEEPEP["normal", "combine"]),
             Row("normal", "all_to_all", "eager", tokens, t_a2a, bytes_d, bytes_o, moved,
                 deepep=f"bare all_to_all_single of the dispatch's rows ({n} ranks)"),
@@ -352,39 +362,42 @@ class _RankBench:
         recv = send.new_empty(sum(recv_splits), send.shape[1])
         return self._time_one(lambda: dist.all_to_all_single(recv, send, recv_splits, pairs, group=self.ep.group))
 
-    def _low_latency_setup(self) -> tuple[_Inputs, TorchLowLatencyDispatcher, float, float, float]:
+    def _low_latency_setup(self) -> tuple[_Inputs, TorchLowLatencyDispatcher, dict[str, tuple[float, ...]]]:
+        """The inputs, the dispatcher and, for each op, (selections, others, moved) in bytes."""
         cfg = self.cfg
         x = self._inputs(cfg.ll_tokens, seed=2)
-        dispatcher = TorchLowLatencyDispatcher(self.ep, cfg.experts_per_rank, cfg.ll_tokens)
+        dispatcher = TorchLowLatencyDispatcher(self.ep, cfg.experts_per_rank, cfg.ll_tokens, fp8=cfg.fp8_dispatch)
         _, pairs = self._sent_to_ranks(x)
-        selections = self._mean(float(sum(pairs))) * cfg.token_bytes
-        others = self._mean(float(sum(pairs) - pairs[self.ep.rank])) * cfg.token_bytes
+        selections = self._mean(float(sum(pairs)))
+        others = self._mean(float(sum(pairs) - pairs[self.ep.rank]))
         # the fixed [E, C, D] buffer, less the block that stays on this rank
-        moved = float(cfg.num_experts - cfg.experts_per_rank) * cfg.ll_tokens * cfg.token_bytes
-        return x, dispatcher, selections, others, moved
+        blocks = float(cfg.num_experts - cfg.experts_per_rank) * cfg.ll_tokens
+        counts = {op: (selections * b, others * b, blocks * b)
+                  for op, b in (("dispatch", cfg.dispatch_token_bytes), ("combine", cfg.token_bytes))}
+        return x, dispatcher, counts
 
     def _low_latency(self) -> list[Row]:
         cfg = self.cfg
-        x, dispatcher, selections, others, moved = self._low_latency_setup()
+        x, dispatcher, counts = self._low_latency_setup()
         t_d, t_c = self._time_pair(lambda: dispatcher.dispatch(x.hidden, x.topk_ids, x.topk_weights),
-                                   lambda recv, handle: dispatcher.combine(recv.hidden, handle))
+                                   lambda recv, handle: dispatcher.combine(_expert_out(recv, x), handle))
         buf = x.hidden.new_zeros(cfg.num_experts, cfg.ll_tokens, cfg.hidden)
         out = torch.empty_like(buf)
         t_a2a = self._time_one(lambda: dist.all_to_all_single(out, buf, group=self.ep.group))
         tokens = cfg.ll_tokens
         return [
-            Row("low_latency", "dispatch", "eager", tokens, t_d, selections, others, moved,
+            Row("low_latency", "dispatch", "eager", tokens, t_d, *counts["dispatch"],
                 deepep=DEEPEP["low_latency", "dispatch"]),
-            Row("low_latency", "combine", "eager", tokens, t_c, selections, others, moved,
+            Row("low_latency", "combine", "eager", tokens, t_c, *counts["combine"],
                 deepep=DEEPEP["low_latency", "combine"]),
-            Row("low_latency", "all_to_all", "eager", tokens, t_a2a, selections, others, moved,
+            Row("low_latency", "all_to_all", "eager", tokens, t_a2a, *counts["combine"],
                 deepep="bare all_to_all_single of the [E, C, D] buffer"),
         ]
 
     def _low_latency_graphs(self) -> list[Row]:
         """Dispatch and combine captured in two CUDA graphs, timed by replay. A capture that
         fails on any rank skips the rows on every rank (a lone replay would hang)."""
-        x, dispatcher, selections, others, moved = self._low_latency_setup()
+        x, dispatcher, counts = self._low_latency_setup()
         try:
             dispatch, combine = self._capture(dispatcher, x)
             error = ""
@@ -399,9 +412,9 @@ class _RankBench:
         t_d, t_c = self._time_one(dispatch.replay), self._time_one(combine.replay)
         tokens, variant = self.cfg.ll_tokens, "cuda graph"
         return [
-            Row("low_latency", "dispatch", variant, tokens, t_d, selections, others, moved,
+            Row("low_latency", "dispatch", variant, tokens, t_d, *counts["dispatch"],
                 deepep=DEEPEP["low_latency", "dispatch"]),
-            Row("low_latency", "combine", variant, tokens, t_c, selections, others, moved,
+            Row("low_latency", "combine", variant, tokens, t_c, *counts["combine"],
                 deepep=DEEPEP["low_latency", "combine"]),
         ]
 
@@ -411,14 +424,14 @@ class _RankBench:
         with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs need
             for _ in range(3):
                 recv, handle = dispatcher.dispatch(x.hidden, x.topk_ids, x.topk_weights)
-                dispatcher.combine(recv.hidden, handle)
+                dispatcher.combine(_expert_out(recv, x), handle)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         dispatch, combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(dispatch):
             recv, handle = dispatcher.dispatch(x.hidden, x.topk_ids, x.topk_weights)
         with torch.cuda.graph(combine, pool=dispatch.pool()):  # reads dispatch's outputs
-            dispatcher.combine(recv.hidden, handle)
+            dispatcher.combine(_expert_out(recv, x), handle)
         self._graphs += [dispatch, combine]
         return dispatch, combine
 
@@ -426,6 +439,14 @@ class _RankBench:
         values: list[float | None] = [None] * self.ep.size
         dist.all_gather_object(values, value, group=self.host)
         return statistics.mean(values)
+
+
+def _expert_out(recv, x: _Inputs) -> torch.Tensor:
+    """What the experts would hand to combine: the received layout in the tokens' dtype (FP8
+    tokens come back in the dtype they had)."""
+    if recv.hidden_scale is None:
+        return recv.hidden
+    return torch.empty(recv.hidden.shape, dtype=x.hidden.dtype, device=x.hidden.device)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.distributed.groups import Group
+from moeserve.kernels import fp8 as fp8_kernels
 from moeserve.kernels.combine import topk_weighted_sum
 from moeserve.kernels.expert_order import expert_order
 
@@ -39,6 +40,10 @@ class DispatchOutput:
     seg_indptr: torch.Tensor
     tokens_per_expert: torch.Tensor | None = None
     tail_rows: bool = True  # False: no rows past seg_indptr[-1] (lets the grouped GEMM skip zeroing them)
+    # FP8 dispatch (DeepEP's): ``hidden`` in float8_e4m3fn with its 1x128 group scales, as
+    # ``per_token_group_quant_fp8`` gives them, and the dtype the tokens had (the experts' output's)
+    hidden_scale: torch.Tensor | None = None
+    out_dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -52,9 +57,34 @@ class MaskedDispatchOutput:
     hidden: torch.Tensor
     masked_m: torch.Tensor
     expected_m: int | None = None
+    hidden_scale: torch.Tensor | None = None  # FP8 dispatch, as in ``DispatchOutput``
+    out_dtype: torch.dtype | None = None
 
 
 RecvTokens = DispatchOutput | MaskedDispatchOutput
+
+
+def pack_fp8_tokens(hidden: torch.Tensor) -> torch.Tensor:
+    """``[T, D]`` -> ``[T, D + 4 * G]`` uint8: each row's FP8 values, then its ``G`` fp32 group scales."""
+    q, scale = fp8_kernels.per_token_group_quant_fp8(hidden, fp8_kernels.FP8_BLOCK)
+    return torch.cat([_bytes(q), _bytes(scale)], dim=-1)
+
+
+def unpack_fp8_tokens(rows: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., D + 4 * G]`` uint8 -> ``(values [..., D] float8_e4m3fn, scales [..., G] fp32)``, each
+    contiguous (a copy: the GEMMs read them as separate row-major tensors); zero rows give zeros."""
+    return _as(rows[..., :dim], fp8_kernels.FP8_DTYPE), _as(rows[..., dim:], torch.float32)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return _as(t, torch.uint8)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t``'s bytes as ``dtype`` (its last dim rescaled), contiguous; empty tensors too, whose
+    strides ``contiguous`` leaves as they are."""
+    t = t.contiguous() if t.numel() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return t.view(dtype)
 
 
 class Dispatcher(ABC):
@@ -130,11 +160,13 @@ DISPATCH_MODES = ("none", "normal", "low_latency")
 
 
 def make_dispatcher(mode: str, ep: Group, num_local_experts: int, max_dispatch_tokens_per_rank: int,
-                    alignment: int = 1) -> Dispatcher:
+                    alignment: int = 1, fp8: bool = False) -> Dispatcher:
     """The dispatcher for ``mode``: ``"none"`` (all experts local; needs ``ep.size == 1``),
     ``"normal"`` (prefill; contiguous layout, segments padded to ``alignment`` rows) or
     ``"low_latency"`` (decode; masked layout, at most ``max_dispatch_tokens_per_rank`` tokens
-    per rank per call). Choosing per batch ("auto") is the caller's job: all ranks must agree."""
+    per rank per call). Choosing per batch ("auto") is the caller's job: all ranks must agree.
+    ``fp8``: the EP dispatchers send FP8 tokens with their 1x128 scales (for FP8 experts, which
+    would quantize them so anyway: the same numbers at half the bytes)."""
     if mode == "none":
         if ep.size != 1:
             raise ValueError(f"dispatch mode 'none' needs an EP group of one rank, got {ep.size}")
@@ -143,7 +175,7 @@ def make_dispatcher(mode: str, ep: Group, num_local_experts: int, max_dispatch_t
     from moeserve.distributed.ep_dispatch import TorchLowLatencyDispatcher, TorchNormalDispatcher
 
     if mode == "normal":
-        return TorchNormalDispatcher(ep, num_local_experts, alignment)
+        return TorchNormalDispatcher(ep, num_local_experts, alignment, fp8)
     if mode == "low_latency":
-        return TorchLowLatencyDispatcher(ep, num_local_experts, max_dispatch_tokens_per_rank)
+        return TorchLowLatencyDispatcher(ep, num_local_experts, max_dispatch_tokens_per_rank, fp8)
     raise ValueError(f"unknown dispatch mode {mode!r}; choose from {DISPATCH_MODES}")

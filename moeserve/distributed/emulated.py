@@ -23,7 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.distributed.dispatcher import Dispatcher, DispatchOutput, LocalDispatcher, MaskedDispatchOutput
+from moeserve.distributed.dispatcher import (
+    Dispatcher,
+    DispatchOutput,
+    LocalDispatcher,
+    MaskedDispatchOutput,
+    pack_fp8_tokens,
+    unpack_fp8_tokens,
+)
 from moeserve.kernels.combine import topk_weighted_sum
 from moeserve.kernels.expert_order import expert_order
 
@@ -64,14 +71,16 @@ class EmulatedHandle:
 
 class EmulatedDispatcher(Dispatcher):
     """``mode``: ``"normal"`` (contiguous, ``num_local`` segments) or ``"low_latency"`` (masked
-    ``[num_local, rows, D]``). The busiest rank's rows are spread evenly over the local slots."""
+    ``[num_local, rows, D]``). The busiest rank's rows are spread evenly over the local slots.
+    ``fp8``: the tokens travel as the EP dispatchers send them to FP8 experts (quantized once a
+    token, then FP8 values and scales copied and unpacked, as ``ep_dispatch`` does)."""
 
     disposable_buffers = True  # index_select gives a fresh buffer a call
 
-    def __init__(self, mode: str, num_local: int, group: EmulatedEP, layer_id: int) -> None:
+    def __init__(self, mode: str, num_local: int, group: EmulatedEP, layer_id: int, fp8: bool = False) -> None:
         if mode not in ("normal", "low_latency"):
             raise ValueError(f"an emulated dispatcher runs 'normal' or 'low_latency', not {mode!r}")
-        self.mode, self.num_local, self.group, self.layer_id = mode, num_local, group, layer_id
+        self.mode, self.num_local, self.group, self.layer_id, self.fp8 = mode, num_local, group, layer_id, fp8
         self._consts: dict[tuple[str, int, int], torch.Tensor] = {}  # made once, before any graph capture
         # one rank alone receives exactly its own rows: the engine's own single-rank dispatch (in
         # contiguous layout, whichever mode; a one-rank engine has no masked path to compare with)
@@ -102,14 +111,19 @@ class EmulatedDispatcher(Dispatcher):
         # the layout step of a real dispatch: this rank's (token, choice) rows sorted by expert
         order = expert_order(topk_ids.flatten(), self.num_local * self.group.ep_size).order
         source = order.index_select(0, self._const("cycle", rows, max(sent, 1), device)) // k if sent else order
-        received = hidden.index_select(0, source)  # [rows, D]: the copy a receive would make
+        payload = pack_fp8_tokens(hidden) if self.fp8 else hidden
+        received = payload.index_select(0, source)  # [rows, W]: the copy a receive would make
+        scales, dtype = None, None
+        if self.fp8:
+            (received, scales), dtype = unpack_fp8_tokens(received, hidden.shape[1]), hidden.dtype
         if self.mode == "low_latency":
-            recv = MaskedDispatchOutput(received.view(self.num_local, per_slot, hidden.shape[1]),
-                                        self._const("masked_m", per_slot, self.num_local, device),
-                                        expected_m=per_slot)
+            def slots(t):
+                return None if t is None else t.view(self.num_local, per_slot, t.shape[-1])
+            recv = MaskedDispatchOutput(slots(received), self._const("masked_m", per_slot, self.num_local, device),
+                                        expected_m=per_slot, hidden_scale=slots(scales), out_dtype=dtype)
         else:
             seg = self._const("seg_indptr", rows, self.num_local, device)
-            recv = DispatchOutput(received, seg, seg.diff(), tail_rows=False)
+            recv = DispatchOutput(received, seg, seg.diff(), tail_rows=False, hidden_scale=scales, out_dtype=dtype)
         # combine reads one received row per (token, choice)
         handle = EmulatedHandle(self._const("cycle", sent, max(rows, 1), device), topk_weights)
         return recv, handle

@@ -12,7 +12,10 @@ hidden size ``D``, ``C = max_dispatch_tokens_per_rank``.
 
 Both apply the routing weights on the source rank with ``LocalDispatcher``'s arithmetic
 (``kernels.combine.topk_weighted_sum``), so a token's output matches the single-rank engine's to rounding of
-the expert GEMMs.
+the expert GEMMs. With ``fp8`` (for FP8 experts) both send each token as DeepEP does: its values in
+float8_e4m3fn and one fp32 scale per 1x128 group (``per_token_group_quant_fp8``, which the experts
+would apply anyway), packed in one ``uint8`` row of ``D + 4 * ceil(D / 128)`` bytes; the output
+carries them as ``hidden`` and ``hidden_scale``. Combine sends BF16.
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve.distributed.dispatcher import Dispatcher, DispatchOutput, MaskedDispatchOutput
+from moeserve.distributed.dispatcher import (
+    Dispatcher,
+    DispatchOutput,
+    MaskedDispatchOutput,
+    pack_fp8_tokens,
+    unpack_fp8_tokens,
+)
 from moeserve.distributed.groups import Group
 from moeserve.kernels.combine import topk_weighted_sum
 from moeserve.kernels.expert_order import expert_order
@@ -71,6 +80,8 @@ class _NormalDispatchPending:
     tokens_per_expert: list[int]  # [E_local]: rows received for each local expert (host)
     seg_starts: list[int]  # [E_local + 1]: aligned segment starts (host)
     handle: NormalHandle  # ``layout_rows`` still empty
+    dim: int  # D
+    dtype: torch.dtype  # the tokens' dtype before any FP8 packing
 
 
 @dataclass
@@ -101,10 +112,10 @@ class TorchNormalDispatcher(Dispatcher):
 
     disposable_buffers = True  # sends a copy (``index_select``); the layout is allocated per call
 
-    def __init__(self, ep: Group, num_local_experts: int, alignment: int = 1) -> None:
+    def __init__(self, ep: Group, num_local_experts: int, alignment: int = 1, fp8: bool = False) -> None:
         if alignment < 1:
             raise ValueError(f"alignment must be positive, got {alignment}")
-        self.ep, self.num_local_experts, self.alignment = ep, num_local_experts, alignment
+        self.ep, self.num_local_experts, self.alignment, self.fp8 = ep, num_local_experts, alignment, fp8
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> _NormalDispatchPending:
@@ -123,11 +134,13 @@ class TorchNormalDispatcher(Dispatcher):
             seg_starts.append(seg_starts[-1] + -(-count // self.alignment) * self.alignment)
 
         token_index = layout.order // topk_ids.shape[1]  # [S]
-        recv = hidden.new_empty(sum(recv_splits), hidden.shape[1])  # [R, D]
-        work = _all_to_all(recv, hidden.index_select(0, token_index), self.ep, recv_splits, send_splits)
+        payload = pack_fp8_tokens(hidden) if self.fp8 else hidden  # quantized once a token, sent once a choice
+        recv = payload.new_empty(sum(recv_splits), payload.shape[1])  # [R, D] (FP8: [R, D + 4G] bytes)
+        work = _all_to_all(recv, payload.index_select(0, token_index), self.ep, recv_splits, send_splits)
         handle = NormalHandle(layout.position, topk_weights, send_splits, recv_splits,
                               layout_rows=token_index.new_empty(0), num_tokens=hidden.shape[0])
-        return _NormalDispatchPending(recv, work, recv_counts, tokens_per_expert, seg_starts, handle)
+        return _NormalDispatchPending(recv, work, recv_counts, tokens_per_expert, seg_starts, handle,
+                                      hidden.shape[1], hidden.dtype)
 
     def dispatch_b(self, pending: _NormalDispatchPending) -> tuple[DispatchOutput, NormalHandle]:
         """-> (``DispatchOutput(hidden [M, D], seg_indptr [E_local + 1] int64,
@@ -140,6 +153,10 @@ class TorchNormalDispatcher(Dispatcher):
         out[rows] = pending.recv
         pending.handle.layout_rows = rows
         tokens_per_expert = torch.tensor(pending.tokens_per_expert, dtype=torch.int64, device=device)
+        if self.fp8:
+            values, scales = unpack_fp8_tokens(out, pending.dim)
+            return DispatchOutput(values, seg_indptr, tokens_per_expert, hidden_scale=scales,
+                                  out_dtype=pending.dtype), pending.handle
         return DispatchOutput(out, seg_indptr, tokens_per_expert), pending.handle
 
     def combine_a(self, expert_out: torch.Tensor, handle: NormalHandle) -> _CombinePending:
@@ -185,10 +202,12 @@ class LowLatencyHandle:
 
 @dataclass
 class _LowLatencyDispatchPending:
-    recv: torch.Tensor  # [N, E_local, C, D], filled once ``works`` complete
+    recv: torch.Tensor  # [N, E_local, C, W] (W = D, or the FP8 row's bytes), filled once ``works`` complete
     recv_counts: torch.Tensor  # [N, E_local] int32: tokens from each source rank for each local expert
     works: tuple[dist.Work | None, ...]
     handle: LowLatencyHandle  # ``layout_rows`` still empty
+    dim: int  # D
+    dtype: torch.dtype  # the tokens' dtype before any FP8 packing
 
 
 class TorchLowLatencyDispatcher(Dispatcher):
@@ -210,10 +229,11 @@ class TorchLowLatencyDispatcher(Dispatcher):
 
     disposable_buffers = True  # sends a copy (``send``); the masked layout is allocated per call
 
-    def __init__(self, ep: Group, num_local_experts: int, max_dispatch_tokens_per_rank: int) -> None:
+    def __init__(self, ep: Group, num_local_experts: int, max_dispatch_tokens_per_rank: int,
+                 fp8: bool = False) -> None:
         if max_dispatch_tokens_per_rank < 1:
             raise ValueError(f"max_dispatch_tokens_per_rank must be positive, got {max_dispatch_tokens_per_rank}")
-        self.ep, self.num_local_experts = ep, num_local_experts
+        self.ep, self.num_local_experts, self.fp8 = ep, num_local_experts, fp8
         self.capacity = max_dispatch_tokens_per_rank  # C
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
@@ -224,22 +244,24 @@ class TorchLowLatencyDispatcher(Dispatcher):
             raise ValueError(f"{num_tokens} tokens on this rank exceed max_dispatch_tokens_per_rank="
                              f"{self.capacity}; split the batch or raise the limit")
         n, e_local, cap = self.ep.size, self.num_local_experts, self.capacity
+        payload = pack_fp8_tokens(hidden) if self.fp8 else hidden  # [T, W]: W = D, or D + 4G bytes for FP8
+        width = payload.shape[1]
         chosen = torch.zeros(num_tokens, n * e_local, dtype=torch.int32, device=hidden.device)
         chosen.scatter_(1, topk_ids, 1)  # [T, E]
         slots = (torch.cumsum(chosen, 0) - 1).gather(1, topk_ids)  # [T, k] token's place in each block
         send_counts = chosen.sum(0, dtype=torch.int32)  # [E]
-        send = hidden.new_zeros(n * e_local, cap, dim)  # [E, C, D]
-        send[topk_ids, slots] = hidden.unsqueeze(1).expand(-1, topk_ids.shape[1], -1)
+        send = payload.new_zeros(n * e_local, cap, width)  # [E, C, W]
+        send[topk_ids, slots] = payload.unsqueeze(1).expand(-1, topk_ids.shape[1], -1)
         recv, recv_counts = torch.empty_like(send), torch.empty_like(send_counts)
         works = _all_to_all(recv_counts, send_counts, self.ep), _all_to_all(recv, send, self.ep)
         handle = LowLatencyHandle(topk_ids, topk_weights, slots, layout_rows=slots.new_empty(0))
-        return _LowLatencyDispatchPending(recv.view(n, e_local, cap, dim), recv_counts.view(n, e_local),
-                                          works, handle)
+        return _LowLatencyDispatchPending(recv.view(n, e_local, cap, width), recv_counts.view(n, e_local),
+                                          works, handle, dim, hidden.dtype)
 
     def dispatch_b(self, pending: _LowLatencyDispatchPending) -> tuple[MaskedDispatchOutput, LowLatencyHandle]:
         """-> (``MaskedDispatchOutput(hidden [E_local, N * C, D], masked_m [E_local] int32)``, handle)."""
         _wait(*pending.works)
-        n, e_local, cap, dim = pending.recv.shape
+        n, e_local, cap, width = pending.recv.shape
         masked_m = pending.recv_counts.sum(0, dtype=torch.int32)  # [E_local]
         slot = torch.arange(cap, device=masked_m.device)
         valid = (slot < pending.recv_counts.t().unsqueeze(-1)).reshape(e_local, n * cap)  # [E_local, N * C]
@@ -247,13 +269,18 @@ class TorchLowLatencyDispatcher(Dispatcher):
         row = torch.arange(n * cap, device=masked_m.device)
         # valid rows to the front in order, the (zero) invalid ones behind: a permutation per expert
         rows = torch.where(valid, before - 1, masked_m.unsqueeze(1) + row - before)  # [E_local, N * C]
-        by_expert = pending.recv.transpose(0, 1).reshape(e_local, n * cap, dim)  # [E_local, N * C, D]
-        out = torch.empty_like(by_expert).scatter_(1, rows.unsqueeze(-1).expand(-1, -1, dim), by_expert)
+        by_expert = pending.recv.transpose(0, 1).reshape(e_local, n * cap, width)  # [E_local, N * C, W]
+        out = torch.empty_like(by_expert).scatter_(1, rows.unsqueeze(-1).expand(-1, -1, width), by_expert)
         pending.handle.layout_rows = rows
         # every rank sends T * k rows over all N * E_local experts: T * k / E_local an expert, if
         # the other ranks have as many tokens as this one
         tokens, k = pending.handle.topk_ids.shape
-        return MaskedDispatchOutput(out, masked_m, expected_m=-(-tokens * k // e_local)), pending.handle
+        expected_m = -(-tokens * k // e_local)
+        if self.fp8:
+            values, scales = unpack_fp8_tokens(out, pending.dim)
+            return MaskedDispatchOutput(values, masked_m, expected_m, hidden_scale=scales,
+                                        out_dtype=pending.dtype), pending.handle
+        return MaskedDispatchOutput(out, masked_m, expected_m=expected_m), pending.handle
 
     def combine_a(self, expert_out: torch.Tensor, handle: LowLatencyHandle) -> _CombinePending:
         """``expert_out [E_local, N * C, D]`` in the masked layout; starts sending it back."""

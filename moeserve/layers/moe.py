@@ -79,19 +79,26 @@ class Experts(nn.Module):
     def forward(self, recv: RecvTokens) -> torch.Tensor:
         """Output in the input's layout: contiguous ``hidden [M, D] -> [M, D]`` (padding rows
         stay zero) or masked ``hidden [E, M_max, D] -> [E, M_max, D]`` (rows at or past
-        ``masked_m[e]`` zero). ``E`` is this module's expert count (the local experts under EP)."""
-        h = self._gemm(recv, recv.hidden, self.w13, self.w13_scale_inv, gated=True)  # silu(gate) * up [..., I]
+        ``masked_m[e]`` zero). ``E`` is this module's expert count (the local experts under EP).
+        Tokens dispatched in FP8 (``recv.hidden_scale`` set) go to the first GEMM as they are, and the
+        output takes the dtype they had (``recv.out_dtype``)."""
+        if recv.hidden_scale is not None and self.w13_scale_inv is None:
+            raise ValueError("FP8-dispatched tokens need FP8 expert weights; dispatch in the model's dtype")
+        h = self._gemm(recv, recv.hidden, self.w13, self.w13_scale_inv, gated=True,
+                       x_scale=recv.hidden_scale)  # silu(gate) * up [..., I]
         # the received tokens ([T * k, D] at the peak) are read no more; freed now when the dispatcher
         # allowed it (a ``DisposableTensor``), so the second GEMM's output does not stack on them
         dispose(recv.hidden, keep=(h,))
         return self._gemm(recv, h, self.w2, self.w2_scale_inv)
 
-    def _gemm(self, recv: RecvTokens, x: torch.Tensor, w: torch.Tensor,
-              w_scale: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    def _gemm(self, recv: RecvTokens, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
+              gated: bool = False, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         fp8_args = {}
-        if w_scale is not None:  # FP8 weights: quantize the activations per 1x128 group
-            x_fp8, x_scale = fp8.per_token_group_quant_fp8(x, fp8.FP8_BLOCK)
-            x, fp8_args = x_fp8, {"x_scale": x_scale, "w_scale": w_scale, "out_dtype": x.dtype}
+        if w_scale is not None:  # FP8 weights: activations per 1x128 group, quantized here unless they came so
+            out_dtype = x.dtype if x_scale is None else recv.out_dtype
+            if x_scale is None:
+                x, x_scale = fp8.per_token_group_quant_fp8(x, fp8.FP8_BLOCK)
+            fp8_args = {"x_scale": x_scale, "w_scale": w_scale, "out_dtype": out_dtype}
         if isinstance(recv, MaskedDispatchOutput):
             return grouped_gemm_masked(x, w, recv.masked_m, **fp8_args, fuse_silu_and_mul=gated,
                                        expected_m=recv.expected_m)
@@ -144,18 +151,20 @@ class MoE(nn.Module):
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, fp8=fp8)
             if cfg.n_shared_experts else None
         )
-        self._dispatchers = self._make_dispatchers(opts, len(logical_ids))
+        self._dispatchers = self._make_dispatchers(opts, len(logical_ids), fp8_experts=fp8)
 
-    def _make_dispatchers(self, opts: MoEOptions, num_local: int) -> dict[str, Dispatcher]:
+    def _make_dispatchers(self, opts: MoEOptions, num_local: int, fp8_experts: bool) -> dict[str, Dispatcher]:
+        # FP8 experts take FP8 tokens: the all-to-all moves them so (DeepEP's FP8 dispatch)
         if opts.emulated is not None:
             mode = "normal" if opts.deepep_mode == "auto" else opts.deepep_mode
-            return {mode: EmulatedDispatcher(mode, num_local, opts.emulated, self.layer_id)}
+            return {mode: EmulatedDispatcher(mode, num_local, opts.emulated, self.layer_id, fp8_experts)}
         if opts.a2a_backend == "none":
             return {"none": make_dispatcher("none", self.ep, num_local, opts.max_dispatch_tokens_per_rank)}
         if opts.a2a_backend == "deepep":
             raise ValueError("moe_a2a_backend deepep needs DeepEP, which is not installed; use torch")
         modes = ["normal", "low_latency"] if opts.deepep_mode == "auto" else [opts.deepep_mode]
-        return {m: make_dispatcher(m, self.ep, num_local, opts.max_dispatch_tokens_per_rank) for m in modes}
+        return {m: make_dispatcher(m, self.ep, num_local, opts.max_dispatch_tokens_per_rank, fp8=fp8_experts)
+                for m in modes}
 
     def dispatcher(self, mode: str) -> Dispatcher:
         """The dispatcher for this step's agreed mode (the only one when there is no choice)."""

@@ -51,6 +51,24 @@ def test_two_cpu_ranks(tmp_path):
     assert rows["normal", "combine"]["bytes_deepep"] == normal["bytes_deepep"]
 
 
+def test_fp8_dispatch_sends_and_counts_fp8_tokens(tmp_path):
+    """``--fp8-dispatch``: the dispatchers send each token as FP8 values and one fp32 scale per 1x128
+    group (one group here), and the dispatch rows count those bytes; combine stays float32."""
+    out = tmp_path / "dispatch.json"
+    run_dispatch_benchmark(_args("--fp8-dispatch", "--output-json", str(out)))
+    result = json.loads(out.read_text())
+    assert result["config"]["fp8_dispatch"] is True
+    rows = {(r["mode"], r["op"]): r for r in result["rows"]}
+    fp8_token, token = HIDDEN + 4, HIDDEN * FP32
+    ll = rows["low_latency", "dispatch"]
+    assert ll["bytes_deepep"] == LL_TOKENS * TOP_K * fp8_token
+    assert ll["bytes_moved"] == (EXPERTS - EXPERTS // WORLD) * LL_TOKENS * fp8_token
+    assert rows["low_latency", "combine"]["bytes_deepep"] == LL_TOKENS * TOP_K * token
+    normal = rows["normal", "dispatch"]
+    assert normal["bytes_deepep"] / fp8_token == pytest.approx(rows["normal", "combine"]["bytes_deepep"] / token)
+    assert all(r["time_us"] > 0 for r in rows.values())
+
+
 def test_config_is_checked():
     with pytest.raises(ValueError, match="spread evenly"):
         DispatchBenchConfig.from_args(_args("--num-experts", "7"))

@@ -20,6 +20,7 @@ from moeserve.distributed.dispatcher import LocalDispatcher, MaskedDispatchOutpu
 from moeserve.distributed.emulated import EmulatedDispatcher, EmulatedEP
 from moeserve.executor import overlap
 from moeserve.executor.model_runner import ModelRunner
+from moeserve.kernels.fp8 import FP8_DTYPE, per_token_group_quant_fp8
 from moeserve.models.tiny import make_tiny_model
 
 
@@ -46,6 +47,19 @@ def test_emulated_dispatch_hands_over_the_busiest_ranks_rows_in_each_layout():
     assert per_layer.busiest_rows(1, 20) == 20 and per_layer.busiest_rows(2, 20) == 80
     empty, handle = EmulatedDispatcher("low_latency", 3, group, 1).dispatch(hidden[:0], ids[:0], weights[:0])
     assert EmulatedDispatcher("low_latency", 3, group, 1).combine(empty.hidden, handle).shape == (0, 16)
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_emulated_fp8_dispatch_hands_over_what_the_ep_dispatchers_send(mode):
+    """For FP8 experts the tokens travel as FP8 values with their 1x128 scales, as the EP
+    dispatchers send them: the same rows as the BF16 emulation, quantized."""
+    hidden, ids, weights = _routing(10, 2, 12)
+    group = EmulatedEP(4, balancedness=0.5)
+    plain, _ = EmulatedDispatcher(mode, 3, group, layer_id=1).dispatch(hidden, ids, weights)
+    recv, handle = EmulatedDispatcher(mode, 3, group, layer_id=1, fp8=True).dispatch(hidden, ids, weights)
+    q, scale = per_token_group_quant_fp8(plain.hidden)
+    assert recv.hidden.dtype == FP8_DTYPE and recv.out_dtype == hidden.dtype
+    assert torch.equal(recv.hidden.view(torch.uint8), q.view(torch.uint8)) and torch.equal(recv.hidden_scale, scale)
 
 
 def test_one_rank_alone_in_contiguous_layout_is_the_engines_dispatch():

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from moeserve.distributed.dispatcher import Dispatcher, LocalDispatcher, make_dispatcher
 from moeserve.distributed.groups import Group
+from moeserve.kernels import fp8
 from moeserve.layers.moe import Experts
 
 DIM, INTER = 16, 8
@@ -70,20 +71,28 @@ def make_problem(num_experts: int, top_k: int, token_counts: list[int], seed: in
     return Problem(w13, w2, hidden, ids, weights)
 
 
-def make_experts(w13: torch.Tensor, w2: torch.Tensor, first: int = 0, count: int | None = None) -> Experts:
-    """``Experts`` holding physical experts ``first .. first + count - 1`` of the stacked weights."""
+def make_experts(w13: torch.Tensor, w2: torch.Tensor, first: int = 0, count: int | None = None,
+                 fp8_weights: bool = False) -> Experts:
+    """``Experts`` holding physical experts ``first .. first + count - 1`` of the stacked weights
+    (``fp8_weights``: block-quantized, with their scales)."""
     count = w13.shape[0] if count is None else count
-    experts = Experts(list(range(first, first + count)), w13.shape[0], DIM, INTER)
-    experts.w13.data.copy_(w13[first:first + count])
-    experts.w2.data.copy_(w2[first:first + count])
+    experts = Experts(list(range(first, first + count)), w13.shape[0], DIM, INTER, fp8=fp8_weights)
+    for j in range(count):
+        for weight, scale, src in ((experts.w13, experts.w13_scale_inv, w13), (experts.w2, experts.w2_scale_inv, w2)):
+            if scale is None:
+                weight.data[j].copy_(src[first + j])
+            else:
+                q, s = fp8.block_quant_fp8(src[first + j], (fp8.FP8_BLOCK, fp8.FP8_BLOCK))
+                weight.data[j].copy_(q)
+                scale.data[j].copy_(s)
     return experts
 
 
-def reference(p: Problem, rank: int) -> torch.Tensor:
+def reference(p: Problem, rank: int, fp8_weights: bool = False) -> torch.Tensor:
     """The single-process engine's MoE output for ``rank``'s tokens: every expert local."""
     dispatcher = LocalDispatcher(p.w13.shape[0])
     recv, handle = dispatcher.dispatch(p.hidden[rank], p.topk_ids[rank], p.topk_weights[rank])
-    return dispatcher.combine(make_experts(p.w13, p.w2)(recv), handle)
+    return dispatcher.combine(make_experts(p.w13, p.w2, fp8_weights=fp8_weights)(recv), handle)
 
 
 def expected_rows(p: Problem, expert: int) -> torch.Tensor:
@@ -104,7 +113,40 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 def check_world(ep: Group, num_experts: int, top_k: int, rounds: list[list[int]], capacity: int) -> None:
     """All checks of one spawned world (spawning is the slow part)."""
     check_dispatchers(ep, num_experts, top_k, rounds, capacity)
+    check_fp8_dispatchers(ep, num_experts, top_k, rounds, capacity)
     check_capacity_error(ep, num_experts, capacity)
+
+
+def check_fp8_dispatchers(ep: Group, num_experts: int, top_k: int, rounds: list[list[int]], capacity: int) -> None:
+    """FP8 dispatch (for FP8 experts): each local expert receives its tokens as FP8 values and 1x128
+    scales, exactly what quantizing the expected rows gives, and the output equals the single-process
+    engine's with the same FP8 experts, which quantize the tokens themselves."""
+    e_local = num_experts // ep.size
+    w13, w2 = make_weights(num_experts)
+    experts = make_experts(w13, w2, ep.rank * e_local, e_local, fp8_weights=True)
+    dispatchers = {"normal": make_dispatcher("normal", ep, e_local, capacity, alignment=4, fp8=True),
+                   "low_latency": make_dispatcher("low_latency", ep, e_local, capacity, fp8=True)}
+    for seed, counts in enumerate(rounds):
+        p = make_problem(num_experts, top_k, counts, seed)
+        ref = reference(p, ep.rank, fp8_weights=True)
+        mine = p.hidden[ep.rank], p.topk_ids[ep.rank], p.topk_weights[ep.rank]
+        for name, dispatcher in dispatchers.items():
+            what = f"fp8 {name} counts={counts} rank={ep.rank}"
+            recv, handle = dispatcher.dispatch(*mine)
+            assert recv.hidden.dtype == fp8.FP8_DTYPE and recv.out_dtype == mine[0].dtype, what
+            for e in range(e_local):
+                q, s = fp8.per_token_group_quant_fp8(expected_rows(p, ep.rank * e_local + e))
+                if name == "low_latency":
+                    got, got_scale = recv.hidden[e, :q.shape[0]], recv.hidden_scale[e, :q.shape[0]]
+                else:
+                    start = int(recv.seg_indptr[e])
+                    got, got_scale = recv.hidden[start:start + q.shape[0]], recv.hidden_scale[start:start + q.shape[0]]
+                assert torch.equal(got.view(torch.uint8), q.view(torch.uint8)), f"{what}: values of expert {e}"
+                assert torch.equal(got_scale, s), f"{what}: scales of expert {e}"
+            out = dispatcher.combine(experts(recv), handle)
+            assert out.dtype == mine[0].dtype and out.shape == (counts[ep.rank], DIM), what
+            close(out, ref, what)
+            close(_two_batch_overlap(dispatcher, experts, *mine), out, f"{what} a/b halves")
 
 
 def check_dispatchers(ep: Group, num_experts: int, top_k: int, rounds: list[list[int]], capacity: int) -> None:

@@ -43,3 +43,11 @@ def test_bad_layouts_are_refused(layout_model):
         LLM(layout_model, tp_size=4, moe_a2a_backend="torch", ep_num_redundant_experts=1)
     with pytest.raises(RuntimeError, match="DeepEP"):
         LLM(layout_model, tp_size=2, moe_a2a_backend="deepep")
+
+
+def test_fp8_experts_over_ep_give_the_single_process_fp8_tokens(layout_model):
+    """With FP8 weights the EP dispatchers send FP8 tokens with their scales (both modes under
+    ``auto``: normal for prefill, low-latency for decode); greedy tokens stay the single-process
+    engine's with the same FP8 weights."""
+    want = greedy_tokens(layout_model, quantization="fp8")
+    assert greedy_tokens(layout_model, quantization="fp8", **LAYOUTS["tp2-dp2-auto"]) == want
