@@ -64,27 +64,22 @@ class MaskedDispatchOutput:
 RecvTokens = DispatchOutput | MaskedDispatchOutput
 
 
-def pack_fp8_tokens(hidden: torch.Tensor) -> torch.Tensor:
-    """``[T, D]`` -> ``[T, D + 4 * G]`` uint8: each row's FP8 values, then its ``G`` fp32 group scales."""
-    q, scale = fp8_kernels.per_token_group_quant_fp8(hidden, fp8_kernels.FP8_BLOCK)
-    return torch.cat([_bytes(q), _bytes(scale)], dim=-1)
+def token_parts(hidden: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, ...]:
+    """What a dispatch sends of each token, as tensors of ``[T, ...]`` rows that move alike:
+    ``(hidden,)``; with ``fp8`` its FP8 values (as uint8, which every backend moves) and its fp32
+    scales ``[T, ceil(D / 128)]``, quantized once a token (``per_token_group_quant_fp8``)."""
+    if not fp8:
+        return (hidden,)
+    values, scales = fp8_kernels.per_token_group_quant_fp8(hidden, fp8_kernels.FP8_BLOCK)
+    return values.view(torch.uint8), scales
 
 
-def unpack_fp8_tokens(rows: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., D + 4 * G]`` uint8 -> ``(values [..., D] float8_e4m3fn, scales [..., G] fp32)``, each
-    contiguous (a copy: the GEMMs read them as separate row-major tensors); zero rows give zeros."""
-    return _as(rows[..., :dim], fp8_kernels.FP8_DTYPE), _as(rows[..., dim:], torch.float32)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return _as(t, torch.uint8)
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t``'s bytes as ``dtype`` (its last dim rescaled), contiguous; empty tensors too, whose
-    strides ``contiguous`` leaves as they are."""
-    t = t.contiguous() if t.numel() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    return t.view(dtype)
+def received_tokens(parts: list[torch.Tensor], dtype: torch.dtype) -> dict[str, object]:
+    """``token_parts``' tensors, received and laid out -> the output's token fields (``hidden``,
+    and for FP8 ``hidden_scale`` and ``out_dtype``, the tokens' dtype before quantization)."""
+    if len(parts) == 1:
+        return {"hidden": parts[0]}
+    return {"hidden": parts[0].view(fp8_kernels.FP8_DTYPE), "hidden_scale": parts[1], "out_dtype": dtype}
 
 
 class Dispatcher(ABC):

@@ -28,8 +28,8 @@ from moeserve.distributed.dispatcher import (
     DispatchOutput,
     LocalDispatcher,
     MaskedDispatchOutput,
-    pack_fp8_tokens,
-    unpack_fp8_tokens,
+    received_tokens,
+    token_parts,
 )
 from moeserve.kernels.combine import topk_weighted_sum
 from moeserve.kernels.expert_order import expert_order
@@ -73,7 +73,7 @@ class EmulatedDispatcher(Dispatcher):
     """``mode``: ``"normal"`` (contiguous, ``num_local`` segments) or ``"low_latency"`` (masked
     ``[num_local, rows, D]``). The busiest rank's rows are spread evenly over the local slots.
     ``fp8``: the tokens travel as the EP dispatchers send them to FP8 experts (quantized once a
-    token, then FP8 values and scales copied and unpacked, as ``ep_dispatch`` does)."""
+    token, then its FP8 values and scales copied alike, as ``ep_dispatch`` does)."""
 
     disposable_buffers = True  # index_select gives a fresh buffer a call
 
@@ -111,19 +111,16 @@ class EmulatedDispatcher(Dispatcher):
         # the layout step of a real dispatch: this rank's (token, choice) rows sorted by expert
         order = expert_order(topk_ids.flatten(), self.num_local * self.group.ep_size).order
         source = order.index_select(0, self._const("cycle", rows, max(sent, 1), device)) // k if sent else order
-        payload = pack_fp8_tokens(hidden) if self.fp8 else hidden
-        received = payload.index_select(0, source)  # [rows, W]: the copy a receive would make
-        scales, dtype = None, None
-        if self.fp8:
-            (received, scales), dtype = unpack_fp8_tokens(received, hidden.shape[1]), hidden.dtype
+        # [rows, D] (FP8: and [rows, G]): the copies a receive would make
+        received = [part.index_select(0, source) for part in token_parts(hidden, self.fp8)]
         if self.mode == "low_latency":
-            def slots(t):
-                return None if t is None else t.view(self.num_local, per_slot, t.shape[-1])
-            recv = MaskedDispatchOutput(slots(received), self._const("masked_m", per_slot, self.num_local, device),
-                                        expected_m=per_slot, hidden_scale=slots(scales), out_dtype=dtype)
+            tokens = received_tokens([r.view(self.num_local, per_slot, r.shape[-1]) for r in received], hidden.dtype)
+            recv = MaskedDispatchOutput(masked_m=self._const("masked_m", per_slot, self.num_local, device),
+                                        expected_m=per_slot, **tokens)
         else:
             seg = self._const("seg_indptr", rows, self.num_local, device)
-            recv = DispatchOutput(received, seg, seg.diff(), tail_rows=False, hidden_scale=scales, out_dtype=dtype)
+            recv = DispatchOutput(seg_indptr=seg, tokens_per_expert=seg.diff(), tail_rows=False,
+                                  **received_tokens(received, hidden.dtype))
         # combine reads one received row per (token, choice)
         handle = EmulatedHandle(self._const("cycle", sent, max(rows, 1), device), topk_weights)
         return recv, handle

@@ -14,7 +14,7 @@ Both apply the routing weights on the source rank with ``LocalDispatcher``'s ari
 (``kernels.combine.topk_weighted_sum``), so a token's output matches the single-rank engine's to rounding of
 the expert GEMMs. With ``fp8`` (for FP8 experts) both send each token as DeepEP does: its values in
 float8_e4m3fn and one fp32 scale per 1x128 group (``per_token_group_quant_fp8``, which the experts
-would apply anyway), packed in one ``uint8`` row of ``D + 4 * ceil(D / 128)`` bytes; the output
+would apply anyway): the values as bytes and the scales, two tensors moved alike; the output
 carries them as ``hidden`` and ``hidden_scale``. Combine sends BF16.
 """
 
@@ -29,8 +29,8 @@ from moeserve.distributed.dispatcher import (
     Dispatcher,
     DispatchOutput,
     MaskedDispatchOutput,
-    pack_fp8_tokens,
-    unpack_fp8_tokens,
+    received_tokens,
+    token_parts,
 )
 from moeserve.distributed.groups import Group
 from moeserve.kernels.combine import topk_weighted_sum
@@ -74,14 +74,13 @@ class NormalHandle:
 
 @dataclass
 class _NormalDispatchPending:
-    recv: torch.Tensor  # [R, D], filled once ``work`` completes
-    work: dist.Work | None
+    recv: list[torch.Tensor]  # ``token_parts``' [R, ...] each, filled once ``works`` complete
+    works: list[dist.Work | None]
     recv_counts: torch.Tensor  # [N, E_local] int64: rows from each source rank for each local expert
     tokens_per_expert: list[int]  # [E_local]: rows received for each local expert (host)
     seg_starts: list[int]  # [E_local + 1]: aligned segment starts (host)
     handle: NormalHandle  # ``layout_rows`` still empty
-    dim: int  # D
-    dtype: torch.dtype  # the tokens' dtype before any FP8 packing
+    dtype: torch.dtype  # the tokens' dtype (before FP8 quantization)
 
 
 @dataclass
@@ -134,30 +133,29 @@ class TorchNormalDispatcher(Dispatcher):
             seg_starts.append(seg_starts[-1] + -(-count // self.alignment) * self.alignment)
 
         token_index = layout.order // topk_ids.shape[1]  # [S]
-        payload = pack_fp8_tokens(hidden) if self.fp8 else hidden  # quantized once a token, sent once a choice
-        recv = payload.new_empty(sum(recv_splits), payload.shape[1])  # [R, D] (FP8: [R, D + 4G] bytes)
-        work = _all_to_all(recv, payload.index_select(0, token_index), self.ep, recv_splits, send_splits)
+        parts = token_parts(hidden, self.fp8)  # FP8: quantized once a token, sent once a choice
+        recv = [p.new_empty(sum(recv_splits), p.shape[1]) for p in parts]  # [R, D] (FP8: and [R, G])
+        works = [_all_to_all(r, p.index_select(0, token_index), self.ep, recv_splits, send_splits)
+                 for r, p in zip(recv, parts)]
         handle = NormalHandle(layout.position, topk_weights, send_splits, recv_splits,
                               layout_rows=token_index.new_empty(0), num_tokens=hidden.shape[0])
-        return _NormalDispatchPending(recv, work, recv_counts, tokens_per_expert, seg_starts, handle,
-                                      hidden.shape[1], hidden.dtype)
+        return _NormalDispatchPending(recv, works, recv_counts, tokens_per_expert, seg_starts, handle, hidden.dtype)
 
     def dispatch_b(self, pending: _NormalDispatchPending) -> tuple[DispatchOutput, NormalHandle]:
         """-> (``DispatchOutput(hidden [M, D], seg_indptr [E_local + 1] int64,
         tokens_per_expert [E_local] int64)``, handle for ``combine``)."""
         device = pending.recv_counts.device
         seg_indptr = torch.tensor(pending.seg_starts, dtype=torch.int64, device=device)
-        rows = _layout_rows(pending.recv_counts, seg_indptr, pending.recv.shape[0])  # [R]
-        _wait(pending.work)
-        out = pending.recv.new_zeros(pending.seg_starts[-1], pending.recv.shape[1])  # [M, D]
-        out[rows] = pending.recv
+        rows = _layout_rows(pending.recv_counts, seg_indptr, pending.recv[0].shape[0])  # [R]
+        _wait(*pending.works)
+        out = []
+        for received in pending.recv:
+            out.append(received.new_zeros(pending.seg_starts[-1], received.shape[1]))  # [M, D] (FP8: and [M, G])
+            out[-1][rows] = received
         pending.handle.layout_rows = rows
         tokens_per_expert = torch.tensor(pending.tokens_per_expert, dtype=torch.int64, device=device)
-        if self.fp8:
-            values, scales = unpack_fp8_tokens(out, pending.dim)
-            return DispatchOutput(values, seg_indptr, tokens_per_expert, hidden_scale=scales,
-                                  out_dtype=pending.dtype), pending.handle
-        return DispatchOutput(out, seg_indptr, tokens_per_expert), pending.handle
+        return (DispatchOutput(seg_indptr=seg_indptr, tokens_per_expert=tokens_per_expert,
+                               **received_tokens(out, pending.dtype)), pending.handle)
 
     def combine_a(self, expert_out: torch.Tensor, handle: NormalHandle) -> _CombinePending:
         """``expert_out [M, D]`` in the dispatch layout; starts sending each row back to its source."""
@@ -202,12 +200,11 @@ class LowLatencyHandle:
 
 @dataclass
 class _LowLatencyDispatchPending:
-    recv: torch.Tensor  # [N, E_local, C, W] (W = D, or the FP8 row's bytes), filled once ``works`` complete
+    recv: list[torch.Tensor]  # ``token_parts``' [N, E_local, C, ...] each, filled once ``works`` complete
     recv_counts: torch.Tensor  # [N, E_local] int32: tokens from each source rank for each local expert
-    works: tuple[dist.Work | None, ...]
+    works: list[dist.Work | None]
     handle: LowLatencyHandle  # ``layout_rows`` still empty
-    dim: int  # D
-    dtype: torch.dtype  # the tokens' dtype before any FP8 packing
+    dtype: torch.dtype  # the tokens' dtype (before FP8 quantization)
 
 
 class TorchLowLatencyDispatcher(Dispatcher):
@@ -239,29 +236,30 @@ class TorchLowLatencyDispatcher(Dispatcher):
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> _LowLatencyDispatchPending:
         """``hidden [T, D]`` with ``T <= C``, ``topk_ids [T, k]`` int64 in ``[0, E)``, ``topk_weights [T, k]``."""
-        num_tokens, dim = hidden.shape
+        num_tokens = hidden.shape[0]
         if num_tokens > self.capacity:
             raise ValueError(f"{num_tokens} tokens on this rank exceed max_dispatch_tokens_per_rank="
                              f"{self.capacity}; split the batch or raise the limit")
         n, e_local, cap = self.ep.size, self.num_local_experts, self.capacity
-        payload = pack_fp8_tokens(hidden) if self.fp8 else hidden  # [T, W]: W = D, or D + 4G bytes for FP8
-        width = payload.shape[1]
         chosen = torch.zeros(num_tokens, n * e_local, dtype=torch.int32, device=hidden.device)
         chosen.scatter_(1, topk_ids, 1)  # [T, E]
         slots = (torch.cumsum(chosen, 0) - 1).gather(1, topk_ids)  # [T, k] token's place in each block
         send_counts = chosen.sum(0, dtype=torch.int32)  # [E]
-        send = payload.new_zeros(n * e_local, cap, width)  # [E, C, W]
-        send[topk_ids, slots] = payload.unsqueeze(1).expand(-1, topk_ids.shape[1], -1)
-        recv, recv_counts = torch.empty_like(send), torch.empty_like(send_counts)
-        works = _all_to_all(recv_counts, send_counts, self.ep), _all_to_all(recv, send, self.ep)
+        recv_counts = torch.empty_like(send_counts)
+        works, recv = [_all_to_all(recv_counts, send_counts, self.ep)], []
+        for part in token_parts(hidden, self.fp8):  # [T, D] (FP8: uint8 values, then [T, G] scales)
+            send = part.new_zeros(n * e_local, cap, part.shape[1])  # [E, C, D]
+            send[topk_ids, slots] = part.unsqueeze(1).expand(-1, topk_ids.shape[1], -1)
+            recv.append(torch.empty_like(send))
+            works.append(_all_to_all(recv[-1], send, self.ep))
         handle = LowLatencyHandle(topk_ids, topk_weights, slots, layout_rows=slots.new_empty(0))
-        return _LowLatencyDispatchPending(recv.view(n, e_local, cap, width), recv_counts.view(n, e_local),
-                                          works, handle, dim, hidden.dtype)
+        return _LowLatencyDispatchPending([r.view(n, e_local, cap, r.shape[-1]) for r in recv],
+                                          recv_counts.view(n, e_local), works, handle, hidden.dtype)
 
     def dispatch_b(self, pending: _LowLatencyDispatchPending) -> tuple[MaskedDispatchOutput, LowLatencyHandle]:
         """-> (``MaskedDispatchOutput(hidden [E_local, N * C, D], masked_m [E_local] int32)``, handle)."""
         _wait(*pending.works)
-        n, e_local, cap, width = pending.recv.shape
+        n, e_local, cap, _ = pending.recv[0].shape
         masked_m = pending.recv_counts.sum(0, dtype=torch.int32)  # [E_local]
         slot = torch.arange(cap, device=masked_m.device)
         valid = (slot < pending.recv_counts.t().unsqueeze(-1)).reshape(e_local, n * cap)  # [E_local, N * C]
@@ -269,18 +267,16 @@ class TorchLowLatencyDispatcher(Dispatcher):
         row = torch.arange(n * cap, device=masked_m.device)
         # valid rows to the front in order, the (zero) invalid ones behind: a permutation per expert
         rows = torch.where(valid, before - 1, masked_m.unsqueeze(1) + row - before)  # [E_local, N * C]
-        by_expert = pending.recv.transpose(0, 1).reshape(e_local, n * cap, width)  # [E_local, N * C, W]
-        out = torch.empty_like(by_expert).scatter_(1, rows.unsqueeze(-1).expand(-1, -1, width), by_expert)
+        out = []
+        for received in pending.recv:
+            by_expert = received.transpose(0, 1).reshape(e_local, n * cap, -1)  # [E_local, N * C, D]
+            out.append(torch.empty_like(by_expert).scatter_(1, rows.unsqueeze(-1).expand_as(by_expert), by_expert))
         pending.handle.layout_rows = rows
         # every rank sends T * k rows over all N * E_local experts: T * k / E_local an expert, if
         # the other ranks have as many tokens as this one
         tokens, k = pending.handle.topk_ids.shape
-        expected_m = -(-tokens * k // e_local)
-        if self.fp8:
-            values, scales = unpack_fp8_tokens(out, pending.dim)
-            return MaskedDispatchOutput(values, masked_m, expected_m, hidden_scale=scales,
-                                        out_dtype=pending.dtype), pending.handle
-        return MaskedDispatchOutput(out, masked_m, expected_m=expected_m), pending.handle
+        return (MaskedDispatchOutput(masked_m=masked_m, expected_m=-(-tokens * k // e_local),
+                                     **received_tokens(out, pending.dtype)), pending.handle)
 
     def combine_a(self, expert_out: torch.Tensor, handle: LowLatencyHandle) -> _CombinePending:
         """``expert_out [E_local, N * C, D]`` in the masked layout; starts sending it back."""
