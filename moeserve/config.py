@@ -261,7 +261,9 @@ class SchedulerConfig:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
 
 
-A2A_BACKENDS = ("none", "torch", "deepep")
+# torch: both modes over torch.distributed all-to-alls; symm_mem: low-latency dispatch as peer
+# writes into torch symmetric memory (CUDA; only real tokens move), normal mode as torch
+A2A_BACKENDS = ("none", "torch", "symm_mem", "deepep")
 DEEPEP_MODES = ("normal", "low_latency", "auto")
 
 
@@ -306,7 +308,7 @@ class ParallelConfig:
         _require(n % self.dense_tp_size == 0, "moe_dense_tp_size", f"must divide tp_size {n}")
         _require(self.ep_world in (1, n), "ep_size", f"must be 1 or tp_size ({n})")
         _require(self.moe_a2a_backend != "none" or self.ep_world == 1, "ep_size",
-                 "> 1 needs an all-to-all backend (--moe-a2a-backend torch or deepep)")
+                 "> 1 needs an all-to-all backend (--moe-a2a-backend torch, symm_mem or deepep)")
         _require(self.max_dispatch_tokens_per_rank >= 1, "max_dispatch_tokens_per_rank", "must be >= 1")
         _require(self.nnodes >= 1 and n % self.nnodes == 0, "nnodes", f"must divide tp_size {n}")
         _require(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, {self.nnodes})")
@@ -461,6 +463,11 @@ class RunnerConfig:
 
     disable_cuda_graph: bool = flag(False, "run decode eagerly")
     cuda_graph_max_bs: int = flag(256, "largest decode batch replayed from a CUDA graph")
+    cuda_graph_multi_rank: bool = flag(False, "decode CUDA graphs with several ranks too: every rank pads each "
+                                              "decode step to the bucket the step agreement picks (not yet "
+                                              "validated on several GPUs, hence off by default)")
+    debug_eager_graphs: bool = flag(False, "run the decode graphs' padded buckets eagerly instead of capturing "
+                                           "them (checks the padding and the ranks' bucket agreement, on CPU too)")
     enable_two_batch_overlap: bool = flag(False, "split each batch in two micro-batches: one computes while the "
                                                  "other's MoE all-to-all is in flight (and activations halve)")
     tbo_token_distribution_threshold: float = flag(0.48, "a prefill split between sequences must give the smaller "

@@ -236,7 +236,9 @@ class DPInfo:
 
     ``token_counts[d]`` / ``seq_counts[d]``: new tokens and sequences of data-parallel group ``d``
     (0 for an idle group); ``moe_mode``: the dispatch mode all ranks use this step; ``halves``: set
-    when the step runs as two overlapped micro-batches, the same for each of them.
+    when the step runs as two overlapped micro-batches, the same for each of them; ``graph_bucket``:
+    set when every rank replays its decode CUDA graph of this many sequences a DP group (each pads
+    its batch up to it; an idle one runs padding only).
     """
 
     token_counts: list[int]
@@ -244,6 +246,7 @@ class DPInfo:
     moe_mode: str = "normal"
     halves: tuple[DPInfo, DPInfo] | None = None  # two-batch overlap: every group's two micro-batches
     any_extend: bool = True  # some group prefills: every rank overlaps with the prefill strategy
+    graph_bucket: int | None = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from moeserve.executor.model_runner import ModelRunner
 from moeserve.models.tokenizer import load_tokenizer
 from moeserve.scheduler.controls import ExpertControls
 from moeserve.scheduler.io import ControlOutput, ExpertAction, ExpertControlInput
-from moeserve.scheduler.scheduler import Scheduler
+from moeserve.scheduler.scheduler import Scheduler, with_dispatch_cap
 from moeserve.scheduler.validation import check_request
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class LLM:
             self._ranks = RankedEngine(self.config)
         else:
             self.runner = ModelRunner(self.config)
-            self.scheduler = Scheduler(self.config, self.runner, self.tokenizer)
+            self.scheduler = Scheduler(with_dispatch_cap(self.config, 1), self.runner, self.tokenizer)
         self._ids = itertools.count()
 
     def close(self) -> None:

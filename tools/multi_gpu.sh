@@ -7,9 +7,12 @@
 # not be installed. Installs nothing: a missing Python package is reported and the script stops.
 # Writes $OUT/multi_gpu.log (everything printed) and $OUT/dispatch_ep<N>.json. Exits non-zero
 # when a check fails; the benchmark runs even then, so one run gives all there is to see.
-#   1. GPU layouts over NCCL give the one-GPU engine's greedy tokens (tests/distributed/test_layouts_gpu.py)
+#   1. GPU layouts over NCCL give the one-GPU engine's greedy tokens (tests/distributed/test_layouts_gpu.py),
+#      among them low-latency dispatch over symmetric memory (symm_mem) and decode CUDA graphs on every rank
 #   2. low-latency dispatch -> experts -> combine replays from a CUDA graph (tests/distributed/test_ll_cuda_graph.py)
-#   3. dispatch/combine bandwidth and latency of the torch backend, EP = every GPU (and EP = 2)
+#   3. the symm_mem peer dispatcher across processes, eager and in CUDA graphs (tests/distributed/test_peer_ranks.py)
+#   4. dispatch/combine bandwidth and latency of the torch and symm_mem backends, EP = every GPU (and EP = 2),
+#      in BF16 and with FP8 dispatch
 
 # NVLink multicast stays off everywhere, in every process started from here
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -79,11 +82,15 @@ main() {
     step "GPU layouts vs one GPU" "$layout_limit" "${PYTEST[@]}" --timeout 150 tests/distributed/test_layouts_gpu.py
     step "low-latency dispatch in a CUDA graph" "$GRAPH_LIMIT" "${PYTEST[@]}" --timeout 60 \
         tests/distributed/test_ll_cuda_graph.py
+    step "symm_mem peer dispatch across processes" "$GRAPH_LIMIT" "${PYTEST[@]}" --timeout 60 \
+        tests/distributed/test_peer_ranks.py
     local worlds=("$gpus")
     (( gpus > 2 )) && worlds+=(2)
     for n in "${worlds[@]}"; do
         step "dispatch benchmark, EP=$n" "$BENCH_LIMIT" python3 -m moeserve.bench.dispatch --world-size "$n" \
             --output-json "$OUT/dispatch_ep$n.json" "${BENCH_ARGS[@]}"
+        step "dispatch benchmark, EP=$n, FP8 dispatch" "$BENCH_LIMIT" python3 -m moeserve.bench.dispatch \
+            --world-size "$n" --fp8-dispatch --output-json "$OUT/dispatch_ep${n}_fp8.json" "${BENCH_ARGS[@]}"
     done
     echo; echo "=== done in ${SECONDS}s, exit $status"
     return "$status"

@@ -1,4 +1,5 @@
-"""Dispatch and combine of the ``torch`` all-to-all EP backend, one process per GPU, beside DeepEP.
+"""Dispatch and combine of the ``torch`` all-to-all EP backend, one process per GPU, beside DeepEP;
+on GPUs also the ``symm_mem`` backend's low-latency mode (peer writes, only real tokens moved).
 
 ``moeserve bench dispatch [--world-size N] [--output-json PATH]``. Every rank routes random
 tokens (top-k distinct experts each, experts spread evenly over the ranks) and times dispatch
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from moeserve.distributed.dispatcher import Dispatcher
 from moeserve.distributed.ep_dispatch import TorchLowLatencyDispatcher, TorchNormalDispatcher
 from moeserve.distributed.groups import Group, init_world
+from moeserve.distributed.peer_dispatch import PeerLayout, PeerLowLatencyDispatcher, symmetric_peer_memory
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FP8_GROUP = 128  # DeepEP's FP8 tokens: one byte per value plus one fp32 scale per 128 values
@@ -136,7 +138,7 @@ class Row:
 
     mode: str  # normal | low_latency
     op: str  # dispatch | combine | all_to_all
-    variant: str  # eager | cuda graph
+    variant: str  # eager | cuda graph | symm_mem eager | symm_mem cuda graph
     tokens_per_rank: int
     time_us: float  # median over iterations of the slowest rank
     bytes_deepep: float  # DeepEP's count (see the module docstring)
@@ -245,6 +247,8 @@ class _RankBench:
         rows = self._normal() + self._low_latency()
         if self.cfg.cuda_graph:
             rows += self._low_latency_graphs()
+        if self.cuda and self.ep.size > 1:
+            rows += self._peer_low_latency()
         return rows, self.notes
 
     # ---- inputs and byte counts ------------------------------------------------------------
@@ -417,6 +421,43 @@ class _RankBench:
             Row("low_latency", "combine", variant, tokens, t_c, *counts["combine"],
                 deepep=DEEPEP["low_latency", "combine"]),
         ]
+
+    def _peer_low_latency(self) -> list[Row]:
+        """The peer dispatcher over symmetric memory (``--moe-a2a-backend symm_mem``): eager, and
+        from two CUDA graphs (dispatch, combine) replayed in turn, as its protocol needs."""
+        cfg = self.cfg
+        x, _, counts = self._low_latency_setup()
+        dtype = DTYPES[cfg.dtype]
+        try:
+            layout = PeerLayout.for_model(self.ep.size, cfg.experts_per_rank, cfg.ll_tokens, cfg.top_k, cfg.hidden,
+                                          dtype, cfg.fp8_dispatch)
+            memory = symmetric_peer_memory(self.ep, layout.nbytes, self.device)
+            dispatcher = PeerLowLatencyDispatcher(memory, layout, cfg.fp8_dispatch, dtype)
+            eager = self._time_pair(lambda: dispatcher.dispatch(x.hidden, x.topk_ids, x.topk_weights),
+                                    lambda recv, handle: dispatcher.combine(_expert_out(recv, x), handle))
+            graphs = self._time_in_turn(*self._capture(dispatcher, x))
+            memory.raise_if_failed()
+        except Exception as e:  # every rank fails alike (the rendezvous is collective)
+            self.notes.append(f"symm_mem low-latency rows skipped: {type(e).__name__}: {e}")
+            return []
+        rows = []
+        for variant, (t_d, t_c) in (("symm_mem eager", eager), ("symm_mem cuda graph", graphs)):
+            rows += [Row("low_latency", "dispatch", variant, cfg.ll_tokens, t_d, *counts["dispatch"][:2],
+                         counts["dispatch"][1], deepep=DEEPEP["low_latency", "dispatch"]),
+                     Row("low_latency", "combine", variant, cfg.ll_tokens, t_c, *counts["combine"][:2],
+                         counts["combine"][1], deepep=DEEPEP["low_latency", "combine"])]
+        return rows
+
+    def _time_in_turn(self, first: torch.cuda.CUDAGraph, second: torch.cuda.CUDAGraph) -> tuple[float, float]:
+        """Median µs of each of two graphs, replayed one after the other."""
+        times: tuple[list[float], list[float]] = ([], [])
+        for i in range(self.cfg.warmup + self.cfg.iters):
+            for graph, out in zip((first, second), times):
+                self._align()
+                t, _ = self._timed(graph.replay)
+                if i >= self.cfg.warmup:
+                    out.append(t)
+        return self._slowest_median_us(times[0]), self._slowest_median_us(times[1])
 
     def _capture(self, dispatcher: Dispatcher, x: _Inputs) -> tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]:
         side = torch.cuda.Stream()

@@ -154,6 +154,18 @@ class LocalDispatcher(Dispatcher):
 DISPATCH_MODES = ("none", "normal", "low_latency")
 
 
+def step_dispatch_mode(token_counts: list[int], any_extend: bool, attn_tp_size: int, backend: str,
+                       deepep_mode: str, ll_capacity: int) -> str:
+    """The dispatch mode of a step all ranks agreed on: ``token_counts`` per DP group, split over
+    ``attn_tp_size`` ranks each. ``auto`` takes low-latency for decode steps that fit its buffers."""
+    if backend == "none":
+        return "none"
+    if deepep_mode != "auto":
+        return deepep_mode
+    per_rank = max(-(-t // attn_tp_size) for t in token_counts)  # the largest scattered share
+    return "normal" if any_extend or per_rank > ll_capacity else "low_latency"
+
+
 def make_dispatcher(mode: str, ep: Group, num_local_experts: int, max_dispatch_tokens_per_rank: int,
                     alignment: int = 1, fp8: bool = False) -> Dispatcher:
     """The dispatcher for ``mode``: ``"none"`` (all experts local; needs ``ep.size == 1``),

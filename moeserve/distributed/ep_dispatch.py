@@ -77,8 +77,9 @@ class _NormalDispatchPending:
     recv: list[torch.Tensor]  # ``token_parts``' [R, ...] each, filled once ``works`` complete
     works: list[dist.Work | None]
     recv_counts: torch.Tensor  # [N, E_local] int64: rows from each source rank for each local expert
-    tokens_per_expert: list[int]  # [E_local]: rows received for each local expert (host)
-    seg_starts: list[int]  # [E_local + 1]: aligned segment starts (host)
+    tokens_per_expert: torch.Tensor  # [E_local] int64: rows received for each local expert
+    seg_indptr: torch.Tensor  # [E_local + 1] int64: aligned segment starts
+    num_rows: int  # M = seg_indptr[-1], on the host
     handle: NormalHandle  # ``layout_rows`` still empty
     dtype: torch.dtype  # the tokens' dtype (before FP8 quantization)
 
@@ -103,7 +104,8 @@ class TorchNormalDispatcher(Dispatcher):
     ``combine`` never reads them.
 
     ``dispatch_a`` exchanges the ``[N, E_local]`` counts (a blocking collective and one host
-    sync: the row counts set the buffer sizes) and starts the token all-to-all; ``dispatch_b``
+    sync of ``2N + 1`` numbers: the splits and the layout's size set the buffers; the segments
+    are worked out on the device) and starts the token all-to-all; ``dispatch_b``
     waits for it and scatters the rows into the layout. ``combine_a`` starts the reverse
     all-to-all; ``combine_b`` waits and reduces over the top-k. An idle rank (``T = 0``) takes
     part in every collective like the others and gets ``[0, D]`` back from ``combine``.
@@ -123,15 +125,13 @@ class TorchNormalDispatcher(Dispatcher):
         layout = expert_order(topk_ids.flatten(), n * e_local)  # physical-expert order is destination-rank order
         send_counts = layout.counts.view(n, e_local)
         recv_counts = torch.empty_like(send_counts)
-        _wait(_all_to_all(recv_counts, send_counts, self.ep))
-        host = torch.cat([send_counts.sum(1), recv_counts.flatten()]).tolist()  # the one host sync
-        send_splits, recv_grid = host[:n], [host[n + s * e_local:n + (s + 1) * e_local] for s in range(n)]
-        recv_splits = [sum(row) for row in recv_grid]
-        tokens_per_expert = [sum(col) for col in zip(*recv_grid)]
-        seg_starts = [0]
-        for count in tokens_per_expert:
-            seg_starts.append(seg_starts[-1] + -(-count // self.alignment) * self.alignment)
-
+        _wait(_all_to_all(recv_counts, send_counts, self.ep))  # the one count exchange
+        tokens_per_expert = recv_counts.sum(0)  # [E_local]
+        aligned = -(-tokens_per_expert // self.alignment) * self.alignment
+        seg_indptr = torch.cat([aligned.new_zeros(1), torch.cumsum(aligned, 0)])  # [E_local + 1]
+        # the one host sync: the all-to-all's splits and the layout's size set the buffers
+        host = torch.cat([send_counts.sum(1), recv_counts.sum(1), seg_indptr[-1:]]).tolist()
+        send_splits, recv_splits, num_rows = host[:n], host[n:2 * n], host[-1]
         token_index = layout.order // topk_ids.shape[1]  # [S]
         parts = token_parts(hidden, self.fp8)  # FP8: quantized once a token, sent once a choice
         recv = [p.new_empty(sum(recv_splits), p.shape[1]) for p in parts]  # [R, D] (FP8: and [R, G])
@@ -139,22 +139,20 @@ class TorchNormalDispatcher(Dispatcher):
                  for r, p in zip(recv, parts)]
         handle = NormalHandle(layout.position, topk_weights, send_splits, recv_splits,
                               layout_rows=token_index.new_empty(0), num_tokens=hidden.shape[0])
-        return _NormalDispatchPending(recv, works, recv_counts, tokens_per_expert, seg_starts, handle, hidden.dtype)
+        return _NormalDispatchPending(recv, works, recv_counts, tokens_per_expert, seg_indptr, num_rows, handle,
+                                      hidden.dtype)
 
     def dispatch_b(self, pending: _NormalDispatchPending) -> tuple[DispatchOutput, NormalHandle]:
         """-> (``DispatchOutput(hidden [M, D], seg_indptr [E_local + 1] int64,
         tokens_per_expert [E_local] int64)``, handle for ``combine``)."""
-        device = pending.recv_counts.device
-        seg_indptr = torch.tensor(pending.seg_starts, dtype=torch.int64, device=device)
-        rows = _layout_rows(pending.recv_counts, seg_indptr, pending.recv[0].shape[0])  # [R]
+        rows = _layout_rows(pending.recv_counts, pending.seg_indptr, pending.recv[0].shape[0])  # [R]
         _wait(*pending.works)
         out = []
         for received in pending.recv:
-            out.append(received.new_zeros(pending.seg_starts[-1], received.shape[1]))  # [M, D] (FP8: and [M, G])
+            out.append(received.new_zeros(pending.num_rows, received.shape[1]))  # [M, D] (FP8: and [M, G])
             out[-1][rows] = received
         pending.handle.layout_rows = rows
-        tokens_per_expert = torch.tensor(pending.tokens_per_expert, dtype=torch.int64, device=device)
-        return (DispatchOutput(seg_indptr=seg_indptr, tokens_per_expert=tokens_per_expert,
+        return (DispatchOutput(seg_indptr=pending.seg_indptr, tokens_per_expert=pending.tokens_per_expert,
                                **received_tokens(out, pending.dtype)), pending.handle)
 
     def combine_a(self, expert_out: torch.Tensor, handle: NormalHandle) -> _CombinePending:

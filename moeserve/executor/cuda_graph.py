@@ -11,6 +11,12 @@ With two-batch overlap, buckets of at least ``overlap_from`` sequences are captu
 micro-batches of half the bucket each (the decode strategy of ``executor/overlap.py``), sized
 for their kernels' launches as the whole bucket, so they give the rows a whole-bucket graph would.
 
+With several ranks (data-parallel attention, expert parallelism), every rank captures the same
+buckets with every DP group at the bucket's size (``dp_of``: the collectives' shapes), and each
+decode step the ranks agree on one bucket (``DPInfo.graph_bucket``, the smallest holding the
+largest DP group's batch): every rank pads to it and replays, an idle rank with padding only.
+The dispatch inside must need no host sync: the MoE layers run low-latency dispatch (or none).
+
 Speculative decoding's steps have graphs of their own (``VerifyGraphs``, ``MtpGraphs``): every
 sequence carries the same ``width`` of new tokens (a verify step's last token and drafts; the MTP
 module's pass over them; a draft step's one), so a bucket is ``width`` rows a sequence and its
@@ -22,12 +28,13 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from moeserve.core import ForwardBatch, ForwardMode
+from moeserve.core import DPInfo, ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from moeserve.executor.model_runner import ModelRunner
@@ -45,7 +52,8 @@ class GraphBuckets:
     name = "decode"
 
     def __init__(self, runner: ModelRunner, batch_sizes: list[int], width: int = 1,
-                 pool: tuple | None = None) -> None:
+                 pool: tuple | None = None, dp_of: Callable[[int], DPInfo] | None = None,
+                 eager: bool = False) -> None:
         self.runner, self.width = runner, width
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_bs = self.batch_sizes[-1]
@@ -53,7 +61,10 @@ class GraphBuckets:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.replays = 0
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        # several ranks: a bucket's step with every DP group at its size; the agreement picks the bucket
+        self.dp_of = dp_of
+        self.eager = eager  # run each bucket's step over the buffers instead of capturing it
+        self.pool = pool if pool is not None or eager else torch.cuda.graph_pool_handle()
 
     def _init_buffers(self, device: torch.device, max_kv_tokens: int) -> None:
         zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=device)
@@ -65,6 +76,8 @@ class GraphBuckets:
         self.steps = torch.arange(self.max_bs + 1, device=device) * self.width
 
     def can_run(self, batch: ForwardBatch) -> bool:
+        if self.dp_of is not None:  # several ranks replay together what they agreed (an idle rank too)
+            return batch.dp is not None and batch.dp.graph_bucket is not None
         return (batch.mode is self.mode and 0 < batch.batch_size <= self.max_bs
                 and batch.num_tokens == batch.batch_size * self.width)
 
@@ -78,7 +91,7 @@ class GraphBuckets:
             extend_lens=self.extend_lens[lo:hi], kv_indptr=self.kv_indptr[lo:hi + 1], kv_indices=self.kv_indices,
             prefix_lens_cpu=[0] * n, extend_lens_cpu=[w] * n, kv_pool=self.runner.kv_pool,
             page_size=self.runner.page_size,  # the padding slot is token 0 of page 0
-            launch_batch_size=launch,
+            launch_batch_size=launch, dp=self.dp_of(n) if self.dp_of is not None else None,
         )
 
     def _run(self, bs: int) -> tuple[torch.Tensor, ...]:
@@ -95,6 +108,8 @@ class GraphBuckets:
         return self
 
     def _capture(self, bs: int) -> None:
+        if self.eager:
+            return
         rows = bs * self.width
         self.kv_indptr[:bs + 1].copy_(self.steps[:bs + 1])  # every dummy sequence: the padding slot
         self.kv_indices[:rows].fill_(PADDING_SLOT)
@@ -111,9 +126,13 @@ class GraphBuckets:
         self.graphs[bs] = graph
 
     def load(self, batch: ForwardBatch) -> int:
-        """Copy ``batch`` into the buffers, padded with dummy sequences up to its bucket; the bucket."""
+        """Copy ``batch`` into the buffers, padded with dummy sequences up to its bucket (with several
+        ranks, the agreed one); the bucket."""
         n, w = batch.batch_size, self.width
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        if self.dp_of is not None:
+            bs = batch.dp.graph_bucket
+        else:
+            bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         for static, live in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
                              (self.out_cache_loc, batch.out_cache_loc)):
             static[:n * w].copy_(live)
@@ -128,7 +147,10 @@ class GraphBuckets:
     def play(self, bs: int, rows: int) -> tuple[torch.Tensor, ...]:
         """Replay bucket ``bs``; the first ``rows`` rows of each output, copied (the next replay
         overwrites the captured outputs)."""
-        self.graphs[bs].replay()
+        if self.eager:
+            self.outputs[bs] = self._run(bs)
+        else:
+            self.graphs[bs].replay()
         self.replays += 1
         return tuple(out[:rows].clone() for out in self.outputs[bs])
 
@@ -137,8 +159,9 @@ class CudaGraphRunner(GraphBuckets):
     """Decode steps: the logits of each sequence's token."""
 
     def __init__(self, runner: ModelRunner, batch_sizes: list[int], overlap_from: int | None = None,
-                 pool: tuple | None = None) -> None:
-        super().__init__(runner, batch_sizes, 1, pool)
+                 pool: tuple | None = None, dp_of: Callable[[int], DPInfo] | None = None,
+                 eager: bool = False) -> None:
+        super().__init__(runner, batch_sizes, 1, pool, dp_of, eager)
         self.overlap_from = overlap_from  # buckets this large run as two micro-batches (None: none)
         self.capture_all()
 

@@ -11,6 +11,7 @@ import torch
 from moeserve.cache import MLAKVPool, PagePool, kv_capacity_tokens
 from moeserve.config import EngineConfig
 from moeserve.core import DPInfo, ForwardBatch, ForwardMode, ScheduleBatch, default_dtype
+from moeserve.distributed.dispatcher import step_dispatch_mode
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.groups import single as single_groups
 from moeserve.eplb import files
@@ -131,16 +132,29 @@ class ModelRunner:
         return PagePool(self.num_pages, self.page_size)
 
     def _init_cuda_graphs(self) -> CudaGraphRunner | None:
-        """Decode graphs on CUDA for a single rank (with speculative decoding: verify and MTP
-        graphs instead, whose steps replace decode's). With several ranks a step's shapes depend on
-        what the other DP ranks run, so those keep launching kernels one by one for now."""
+        """Decode graphs on CUDA (with speculative decoding on one rank: verify and MTP graphs
+        instead, whose steps replace decode's). With several ranks (``cuda_graph_multi_rank``)
+        every rank captures the same buckets, each with every DP group at the bucket's size, and
+        the step agreement has all ranks replay one bucket together (``DPInfo.graph_bucket``);
+        only buckets whose dispatch needs no host sync (none, or low-latency within its buffers)
+        are captured. ``debug_eager_graphs`` runs the buckets eagerly instead of capturing them
+        (the padding and the agreement, on any device)."""
         cfg = self.config
-        if self.device.type != "cuda" or cfg.runner.disable_cuda_graph or cfg.parallel.world_size > 1:
+        eager = cfg.runner.debug_eager_graphs
+        if (self.device.type != "cuda" and not eager) or cfg.runner.disable_cuda_graph:
             return None
         if cfg.eplb.recorder_mode == "per_token":  # its token streams are kept per step, outside a graph
             return None
-        sizes = cfg.runner.graph_batch_sizes(cfg.scheduler.max_running_requests)
+        sizes = [b for b in cfg.runner.graph_batch_sizes(cfg.scheduler.max_running_requests) if self._graph_fits(b)]
+        if not sizes:
+            return None
+        if cfg.parallel.world_size > 1:
+            if cfg.spec.enabled or not (cfg.runner.cuda_graph_multi_rank or eager):  # several ranks: opt-in
+                return None
+            return CudaGraphRunner(self, sizes, dp_of=self.graph_dp, eager=eager)
         if cfg.spec.enabled:
+            if eager:
+                return None
             width, pool = cfg.spec.num_drafts + 1, torch.cuda.graph_pool_handle()
             self.verify_graphs = VerifyGraphs(self, sizes, width, pool).capture_all()
             for w in sorted({width, 1} if cfg.spec.num_drafts > 1 else {width}, reverse=True):
@@ -149,7 +163,26 @@ class ModelRunner:
         # the recorder's ``valid`` counts a bucket's first rows: one pass, not two micro-batches
         overlap_from = (self.tbo_min_tokens if cfg.runner.enable_two_batch_overlap and self.moe_options.recorder is None
                         else None)
-        return CudaGraphRunner(self, sizes, overlap_from)
+        return CudaGraphRunner(self, sizes, overlap_from, eager=eager)
+
+    def _graph_fits(self, bucket: int) -> bool:
+        """Whether a decode graph of ``bucket`` sequences a DP group can be captured: its MoE
+        dispatch needs no host sync (none, or low-latency within its buffers)."""
+        par = self.config.parallel
+        if par.world_size > 1:
+            mode = self.graph_dp(bucket).moe_mode
+        else:  # one rank runs the one mode it has, or the normal one (``ForwardBatch.dp_info``)
+            mode = "none" if par.moe_a2a_backend == "none" else par.deepep_mode.replace("auto", "normal")
+        share = -(-bucket // self.groups.attn_tp.size)
+        return mode == "none" or (mode == "low_latency" and share <= par.max_dispatch_tokens_per_rank)
+
+    def graph_dp(self, bucket: int) -> DPInfo:
+        """A decode graph's step with several ranks: every DP group at ``bucket`` sequences."""
+        par = self.config.parallel
+        counts = [bucket] * self.groups.dp_size
+        mode = step_dispatch_mode(counts, False, self.groups.attn_tp.size, par.moe_a2a_backend, par.deepep_mode,
+                                  par.max_dispatch_tokens_per_rank)
+        return DPInfo(counts, list(counts), mode, any_extend=False, graph_bucket=bucket)
 
     def _kv_budget_bytes(self) -> int:
         cache_cfg = self.config.cache

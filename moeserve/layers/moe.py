@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from moeserve.config import ModelConfig
 from moeserve.distributed.dispatcher import Dispatcher, MaskedDispatchOutput, RecvTokens, make_dispatcher
 from moeserve.distributed.emulated import EmulatedDispatcher, EmulatedEP
 from moeserve.distributed.groups import ParallelGroups
+from moeserve.distributed.peer_dispatch import make_peer_dispatcher
 from moeserve.eplb.placement import ExpertLocation, ExpertPlacement
 from moeserve.eplb.recorder import ExpertRecorder
 from moeserve.kernels import fp8
@@ -116,13 +117,16 @@ class MoEOptions:
     picks a replica, dispatch modes, and the load recorder (if any)."""
 
     placement: ExpertPlacement
-    a2a_backend: str = "none"  # none | torch | deepep
+    a2a_backend: str = "none"  # none | torch | symm_mem | deepep
     deepep_mode: str = "auto"  # normal | low_latency | auto
     max_dispatch_tokens_per_rank: int = 128
     dispatch_algorithm: str = "static"  # static | dynamic | fake (``LayerExpertMap``)
     recorder: ExpertRecorder | None = None
     # one rank of an EP group emulated alone (``bench rank``): local copies stand in for the all-to-all
     emulated: EmulatedEP | None = None
+    # the peer buffers of ``symm_mem`` low-latency dispatch, made by the first MoE layer and
+    # shared by all (``distributed/peer_dispatch``)
+    peer_memory: dict = field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def location(self) -> ExpertLocation:
@@ -151,9 +155,10 @@ class MoE(nn.Module):
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, fp8=fp8)
             if cfg.n_shared_experts else None
         )
-        self._dispatchers = self._make_dispatchers(opts, len(logical_ids), fp8_experts=fp8)
+        self._dispatchers = self._make_dispatchers(cfg, opts, len(logical_ids), fp8_experts=fp8)
 
-    def _make_dispatchers(self, opts: MoEOptions, num_local: int, fp8_experts: bool) -> dict[str, Dispatcher]:
+    def _make_dispatchers(self, cfg: ModelConfig, opts: MoEOptions, num_local: int,
+                          fp8_experts: bool) -> dict[str, Dispatcher]:
         # FP8 experts take FP8 tokens: the all-to-all moves them so (DeepEP's FP8 dispatch)
         if opts.emulated is not None:
             mode = "normal" if opts.deepep_mode == "auto" else opts.deepep_mode
@@ -163,8 +168,13 @@ class MoE(nn.Module):
         if opts.a2a_backend == "deepep":
             raise ValueError("moe_a2a_backend deepep needs DeepEP, which is not installed; use torch")
         modes = ["normal", "low_latency"] if opts.deepep_mode == "auto" else [opts.deepep_mode]
-        return {m: make_dispatcher(m, self.ep, num_local, opts.max_dispatch_tokens_per_rank, fp8=fp8_experts)
-                for m in modes}
+        out = {m: make_dispatcher(m, self.ep, num_local, opts.max_dispatch_tokens_per_rank, fp8=fp8_experts)
+               for m in modes if m == "normal" or opts.a2a_backend == "torch"}
+        if "low_latency" in modes and opts.a2a_backend == "symm_mem":  # built under the model's device and dtype
+            out["low_latency"] = make_peer_dispatcher(
+                opts.peer_memory, self.ep, num_local, opts.max_dispatch_tokens_per_rank, cfg.hidden_size,
+                cfg.num_experts_per_tok, torch.get_default_dtype(), fp8_experts, torch.get_default_device())
+        return out
 
     def dispatcher(self, mode: str) -> Dispatcher:
         """The dispatcher for this step's agreed mode (the only one when there is no choice)."""

@@ -8,7 +8,7 @@ has nothing, so the MoE all-to-alls and TP gathers never wait on an absent peer.
 
 from __future__ import annotations
 
-import dataclasses
+import bisect
 import gc
 import logging
 import os
@@ -23,7 +23,8 @@ import zmq
 
 from moeserve.config import EngineConfig, RunnerConfig
 from moeserve.core import DPInfo, FinishReason, Req, ScheduleBatch
-from moeserve.distributed.comm import all_gather_flat, broadcast_bytes, scatter_sizes
+from moeserve.distributed.comm import all_gather_flat, broadcast_bytes
+from moeserve.distributed.dispatcher import step_dispatch_mode
 from moeserve.distributed.groups import ParallelGroups, build_groups, init_world
 from moeserve.distributed.groups import single as single_groups
 from moeserve.executor.model_runner import ModelRunner
@@ -46,7 +47,7 @@ from moeserve.scheduler.io import (
 )
 from moeserve.scheduler.ranks import RankAddresses
 from moeserve.scheduler.roles import make_role
-from moeserve.scheduler.scheduler import Scheduler
+from moeserve.scheduler.scheduler import Scheduler, with_dispatch_cap
 from moeserve.scheduler.speculative import Verdict
 
 logger = logging.getLogger(__name__)
@@ -57,11 +58,13 @@ STATS_INTERVAL_S = 0.05
 
 def agree(groups: ParallelGroups, batch: ScheduleBatch | None, backend: str, deepep_mode: str,
           ll_capacity: int, controls_seen: int = 0, keep_going: bool = False,
-          overlap: RunnerConfig | None = None) -> tuple[DPInfo | None, int]:
+          overlap: RunnerConfig | None = None, graph_sizes: list[int] | None = None) -> tuple[DPInfo | None, int]:
     """Share every DP group's plan: (the step, None when no rank has work and none must
     ``keep_going`` (an expert rebalance under way: it moves on between passes); the newest control
     that every rank has received). Picks the step's MoE mode, and with two-batch ``overlap`` whether
-    the step splits in two micro-batches and every group's two halves (one collective for all)."""
+    the step splits in two micro-batches and every group's two halves (one collective for all).
+    With decode ``graph_sizes`` (several ranks), a decode step everywhere replays the graph of one
+    bucket on every rank (``decode_graph_bucket``), captured whole."""
     split = split_batch(batch, overlap.tbo_token_distribution_threshold) if overlap else None
     mine = torch.tensor([batch.num_tokens if batch else 0, batch.num_logit_rows if batch else 0,
                          int(batch is not None and not batch.mode.is_decode), int(batch is not None), controls_seen,
@@ -76,7 +79,11 @@ def agree(groups: ParallelGroups, batch: ScheduleBatch | None, backend: str, dee
     if not any(row[3] for row in table) and not keep_going:
         return None, controls_ready
     tokens, seqs, any_extend = [r[0] for r in table], [r[1] for r in table], any(r[2] for r in table)
-    mode = _moe_mode(tokens, any_extend, groups, backend, deepep_mode, ll_capacity)
+    bucket = decode_graph_bucket(seqs, any_extend, graph_sizes)
+    if bucket is not None:  # the graph's shapes and mode, whatever this step's own sizes would pick
+        mode = step_dispatch_mode([bucket] * len(table), False, groups.attn_tp.size, backend, deepep_mode, ll_capacity)
+        return DPInfo(tokens, seqs, mode, any_extend=False, graph_bucket=bucket), controls_ready
+    mode = step_dispatch_mode(tokens, any_extend, groups.attn_tp.size, backend, deepep_mode, ll_capacity)
     halves = None
     if overlap is not None and max(tokens) >= overlap.tbo_min_tokens:
         halves = (DPInfo([r[5] for r in table], [r[6] for r in table], mode),
@@ -84,14 +91,12 @@ def agree(groups: ParallelGroups, batch: ScheduleBatch | None, backend: str, dee
     return DPInfo(tokens, seqs, mode, halves, any_extend), controls_ready
 
 
-def _moe_mode(tokens: list[int], any_extend: bool, groups: ParallelGroups, backend: str, deepep_mode: str,
-              ll_capacity: int) -> str:
-    if backend == "none":
-        return "none"
-    if deepep_mode != "auto":
-        return deepep_mode
-    per_rank = max(max(scatter_sizes(t, groups.attn_tp.size)) for t in tokens)
-    return "normal" if any_extend or per_rank > ll_capacity else "low_latency"
+def decode_graph_bucket(seq_counts: list[int], any_extend: bool, graph_sizes: list[int] | None) -> int | None:
+    """The decode graph every rank replays this step: the smallest bucket that holds the largest
+    DP group's batch (None: no graphs, a prefill somewhere, an idle step, or too large a batch)."""
+    if not graph_sizes or any_extend or not 0 < max(seq_counts) <= graph_sizes[-1]:
+        return None
+    return graph_sizes[bisect.bisect_left(graph_sizes, max(seq_counts))]
 
 
 class EngineLoop:
@@ -101,7 +106,7 @@ class EngineLoop:
         tokenizer = load_tokenizer(config.load.tokenizer_path or config.load.model_path)
         self.runner = ModelRunner(config, groups)
         role = make_role(config.disagg.disaggregation_mode, config, groups, self.runner)
-        self.scheduler = Scheduler(_with_dispatch_cap(config, groups), self.runner, tokenizer, role)
+        self.scheduler = Scheduler(with_dispatch_cap(config, groups.attn_tp.size), self.runner, tokenizer, role)
         self.controls = ExpertControls(self.runner.eplb, config.eplb, reply=self._reply_control)
         self._init_collectives()
         self.codec = Codec(EngineInput)
@@ -118,6 +123,8 @@ class EngineLoop:
         """What the scheduler must agree on with the other ranks, each step."""
         par, sched = self.config.parallel, self.scheduler
         overlap = self.config.runner if self.config.runner.enable_two_batch_overlap else None
+        graphs = self.runner.graph_runner
+        graph_sizes = graphs.batch_sizes if graphs is not None and self.groups.world.size > 1 else None
         sched.sample_sync = self._share_samples
         sched.verdict_sync = lambda verdict: self._from_leader(self._verdict_codec, verdict)
         sched.tp_min = self._tp_min
@@ -126,7 +133,7 @@ class EngineLoop:
             eplb = self.runner.eplb  # its state is the same on every rank (passes and agreed controls)
             dp, controls_ready = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode,
                                        par.max_dispatch_tokens_per_rank, self.controls.seen,
-                                       eplb is not None and eplb.busy, overlap)
+                                       eplb is not None and eplb.busy, overlap, graph_sizes)
             self.controls.run(controls_ready)  # every rank at this same step
             return dp is not None, dp
 
@@ -296,22 +303,6 @@ class EngineLoop:
         self._send(stats)
 
 
-def _with_dispatch_cap(config: EngineConfig, groups: ParallelGroups) -> EngineConfig:
-    """With low-latency dispatch only, no rank may hold more tokens than its fixed buffers: cap
-    the batch (prefill chunks and running requests) so the scheduler splits work instead."""
-    par = config.parallel
-    if par.moe_a2a_backend == "none" or par.deepep_mode != "low_latency":
-        return config
-    cap = par.max_dispatch_tokens_per_rank * groups.attn_tp.size
-    sched = config.scheduler
-    capped = dataclasses.replace(
-        sched, chunked_prefill_size=min(sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else cap, cap),
-        max_prefill_tokens=min(sched.max_prefill_tokens, cap),
-        # a verify step holds every request's drafts too
-        max_running_requests=min(sched.max_running_requests, max(cap // (config.spec.num_drafts + 1), 1)))
-    return dataclasses.replace(config, scheduler=capped)
-
-
 def run_rank(config: EngineConfig, rank: int, addrs: RankAddresses, ready: Connection) -> None:
     """Entry point of rank ``rank``; reports ``("ready", info)`` or ``("error", text)``."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
@@ -329,6 +320,8 @@ def run_rank(config: EngineConfig, rank: int, addrs: RankAddresses, ready: Conne
         loop.run()
     finally:
         loop.scheduler.role.close()
+        if loop.runner.graph_runner is not None:
+            logging.info("decode CUDA graphs replayed %d times", loop.runner.graph_runner.replays)
     # a CUDA graph that captured NCCL kernels holds its communicator open: free the graphs (the
     # model runner's) before the process group, or tearing NCCL down waits for them forever
     del loop

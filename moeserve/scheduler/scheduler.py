@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -240,3 +241,20 @@ class Scheduler:
         self.requests.pop(req.rid)
         req.text = text
         req.finish(reason)
+
+
+def with_dispatch_cap(config: EngineConfig, attn_tp_size: int) -> EngineConfig:
+    """With low-latency dispatch only, no rank may hold more tokens than its fixed buffers: cap
+    the batch (prefill chunks and running requests) so the scheduler splits work instead. A DP
+    group's batch spreads over its ``attn_tp_size`` ranks."""
+    par = config.parallel
+    if par.moe_a2a_backend == "none" or par.deepep_mode != "low_latency":
+        return config
+    cap = par.max_dispatch_tokens_per_rank * attn_tp_size
+    sched = config.scheduler
+    capped = dataclasses.replace(
+        sched, chunked_prefill_size=min(sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else cap, cap),
+        max_prefill_tokens=min(sched.max_prefill_tokens, cap),
+        # a verify step holds every request's drafts too
+        max_running_requests=min(sched.max_running_requests, max(cap // (config.spec.num_drafts + 1), 1)))
+    return dataclasses.replace(config, scheduler=capped)

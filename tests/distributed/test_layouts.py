@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from moeserve import LLM
@@ -22,6 +24,9 @@ LAYOUTS = {
     "tp4-dp4-lowlatency-dense4-redundant": {"tp_size": 4, "dp_size": 4, "enable_dp_attention": True,
                                             "moe_a2a_backend": "torch", "deepep_mode": "low_latency",
                                             "moe_dense_tp_size": 4, "ep_num_redundant_experts": 4},
+    # one rank: low-latency dispatch as peer writes into its own buffers (the torch version on CPU)
+    "tp1-symm-lowlatency": {"moe_a2a_backend": "symm_mem", "deepep_mode": "low_latency",
+                            "max_dispatch_tokens_per_rank": 8},
     "tp4-auto-redundant-dplmhead": {"tp_size": 4, "moe_a2a_backend": "torch", "ep_num_redundant_experts": 4,
                                     "enable_dp_lm_head": True},
 }
@@ -41,6 +46,8 @@ def test_bad_layouts_are_refused(layout_model):
         LLM(layout_model, tp_size=2, ep_size=2)  # EP needs an all-to-all backend
     with pytest.raises(RuntimeError, match="physical experts"):
         LLM(layout_model, tp_size=4, moe_a2a_backend="torch", ep_num_redundant_experts=1)
+    with pytest.raises(RuntimeError, match="symm_mem needs CUDA"):
+        LLM(layout_model, tp_size=2, moe_a2a_backend="symm_mem")
     with pytest.raises(RuntimeError, match="DeepEP"):
         LLM(layout_model, tp_size=2, moe_a2a_backend="deepep")
 
@@ -51,3 +58,17 @@ def test_fp8_experts_over_ep_give_the_single_process_fp8_tokens(layout_model):
     engine's with the same FP8 weights."""
     want = greedy_tokens(layout_model, quantization="fp8")
     assert greedy_tokens(layout_model, quantization="fp8", **LAYOUTS["tp2-dp2-auto"]) == want
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2-dp2-lowlatency"])
+def test_decode_graph_buckets_agreed_by_every_rank(layout_model, layout_reference, capfd, name):
+    """Decode graphs with several ranks, their buckets run eagerly (``debug_eager_graphs``, as CPU
+    cannot capture): each decode step every rank pads to the bucket the agreement picked (idle DP
+    groups with padding only) and runs it with every DP group at that size. Tokens stay the
+    single-process engine's, and every rank ran buckets."""
+    layouts = {**LAYOUTS, "tp2-dp2-lowlatency": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True,
+                                                 "moe_a2a_backend": "torch", "deepep_mode": "low_latency",
+                                                 "max_dispatch_tokens_per_rank": 8}}
+    assert greedy_tokens(layout_model, debug_eager_graphs=True, **layouts[name]) == layout_reference
+    replays = [int(n) for n in re.findall(r"decode CUDA graphs replayed (\d+) times", capfd.readouterr().err)]
+    assert len(replays) == 2 and min(replays) > 0, replays

@@ -40,6 +40,16 @@ def layouts(n: int) -> dict[str, dict]:
         f"{w}-lowlatency": {**wide, **ep, **low_latency},
         f"tp{n}-dp{n}-lowlatency-redundant": {**dpa, **ep, **low_latency, "ep_num_redundant_experts": n},
         f"{w}-auto-redundant-dplmhead": {**wide, **ep, "ep_num_redundant_experts": n, "enable_dp_lm_head": True},
+        # low-latency dispatch as peer writes over torch symmetric memory
+        f"{w}-symm-lowlatency": {**wide, "moe_a2a_backend": "symm_mem", **low_latency},
+        f"tp{n}-dp{n}-symm-auto": {**dpa, "moe_a2a_backend": "symm_mem"},
+        # decode CUDA graphs on every rank, each step at the bucket the ranks agree on
+        f"{w}-dense{n}-graphs": {**wide, "moe_dense_tp_size": n, "cuda_graph_multi_rank": True},
+        f"tp{n}-dp{n}-symm-lowlatency-graphs": {**dpa, "moe_a2a_backend": "symm_mem", **low_latency,
+                                                "cuda_graph_multi_rank": True},
+        # two-batch overlap, every step split (the peer dispatcher's two buffer sets in turn)
+        f"tp{n}-dp{n}-symm-auto-tbo": {**dpa, "moe_a2a_backend": "symm_mem", "enable_two_batch_overlap": True,
+                                       "tbo_min_tokens": 2},
     }
     if n >= 4:  # attention TP and DP both above one
         cases[f"tp{n}-dp2-normal-dense2-dplmhead"] = {
