@@ -88,6 +88,7 @@ class PeerMemory:
         self.rank, self.addresses, self.local, self.buffers = rank, addresses, local, buffers
         self.device, self.nbytes = local.device, local.numel()
         self.error = torch.zeros(1, dtype=torch.int32, device=self.device)  # shared by the dispatchers over this memory
+        self._seen = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type == "cuda")  # ``check`` copies
         self.keep: object = None  # what keeps a mapping alive, where something must
 
     def peer_set(self, layout: PeerLayout, index: int) -> peer_a2a.PeerSet:
@@ -107,15 +108,28 @@ class PeerMemory:
         views = None if self.buffers is None else {name: [region(b, name) for b in self.buffers] for name in shapes}
         return peer_a2a.PeerSet(self.rank, self.error, tables, local, views)
 
+    def check(self) -> None:
+        """Raise if the error word held an error at the previous call, and copy it to the host again
+        without waiting (the engine calls this once a step, whose sampling waits for the copy)."""
+        code = int(self._seen)
+        if code:
+            self._seen.zero_()
+            self.error.zero_()
+            self._raise(code)
+        self._seen.copy_(self.error, non_blocking=True)
+
     def raise_if_failed(self) -> None:
         """Raise if a wait gave up on a peer since the last call (reads the device: a host sync)."""
         code = int(self.error.item())
         if code:
             self.error.zero_()
-            what = [w for bit, w in ((peer_a2a.DISPATCH_TIMED_OUT, "dispatch"),
-                                     (peer_a2a.COMBINE_TIMED_OUT, "combine")) if code & bit]
-            raise RuntimeError(f"EP rank {self.rank}: a peer never signalled during {' and '.join(what)} "
-                               "(dead or stuck peer); outputs of that step are garbage")
+            self._raise(code)
+
+    def _raise(self, code: int) -> None:
+        what = [w for bit, w in ((peer_a2a.DISPATCH_TIMED_OUT, "dispatch"),
+                                 (peer_a2a.COMBINE_TIMED_OUT, "combine")) if code & bit]
+        raise RuntimeError(f"EP rank {self.rank}: a peer never signalled during {' and '.join(what)} "
+                           "(dead or stuck peer); outputs of that step are garbage")
 
 
 def local_peer_memories(world_size: int, nbytes: int, device: torch.device | str) -> list[PeerMemory]:

@@ -238,7 +238,11 @@ class ModelRunner:
         return logits
 
     def _after_pass(self, sched: ScheduleBatch | None, batch: ForwardBatch) -> None:
-        """The expert recorder's end of a step's pass of the model (EPLB)."""
+        """The expert recorder's end of a step's pass of the model (EPLB); a peer dispatch that gave
+        up waiting on a dead EP peer fails the step after it (``PeerMemory.check``: no host sync)."""
+        peers = self.moe_options.peer_memory.get("memory")
+        if peers is not None:
+            peers.check()
         if self.eplb is not None:
             positions = None
             if self.eplb.recorder.mode == "per_token":  # this rank's tokens in the MoE layers

@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeserve.config import build_engine_config
 from moeserve.distributed.peer_dispatch import PeerLayout, PeerLowLatencyDispatcher, local_peer_memories
+from moeserve.executor.model_runner import ModelRunner
 from tests.distributed.layouts import greedy_tokens
 from tests.distributed.peer_checks import (
     INTERPRETER_CHECKS,
@@ -21,6 +23,7 @@ from tests.distributed.peer_checks import (
     check_rounds,
     run_round,
 )
+from tests.engine_utils import new_req, run_decode, run_extend
 from tests.kernels.interpreter import interpreted
 
 
@@ -123,3 +126,22 @@ def _step(world: World, batch: list[tuple]) -> list[torch.Tensor]:
     recvs = [d.dispatch_b(p) for d, p in zip(world.dispatchers, sent)]
     back = [d.combine_a(world.experts(r, recv), h) for r, (d, (recv, h)) in enumerate(zip(world.dispatchers, recvs))]
     return [d.combine_b(p) for d, p in zip(world.dispatchers, back)]
+
+
+def test_engine_fails_the_step_after_a_peer_wait_gave_up(layout_model):
+    """A wait that gave up (its error bit set on the device) fails the engine's next step, read
+    without a host sync of its own: the step after sets nothing, the one after that raises."""
+    config = build_engine_config(layout_model, moe_a2a_backend="symm_mem", deepep_mode="low_latency",
+                                 max_dispatch_tokens_per_rank=8, dtype="float32", page_size=4)
+    runner = ModelRunner(config)
+    req = new_req(runner, list(range(2, 14)))
+    run_extend(runner, req, 0, 8)
+    for _ in range(2):  # healthy decode steps
+        req.prompt_ids = req.prompt_ids[:req.kv_len + 1]
+        run_decode(runner, [req])
+    runner.moe_options.peer_memory["memory"].error.fill_(2)  # as a combine that gave up would
+    req.prompt_ids = list(range(2, 14))[:req.kv_len + 1]
+    run_decode(runner, [req])  # the step that "failed": its copy of the word is read next step
+    req.prompt_ids = list(range(2, 14))[:req.kv_len + 1]
+    with pytest.raises(RuntimeError, match="EP rank 0: a peer never signalled during combine"):
+        run_decode(runner, [req])
