@@ -96,9 +96,11 @@ class Experts(nn.Module):
               gated: bool = False, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         fp8_args = {}
         if w_scale is not None:  # FP8 weights: activations per 1x128 group, quantized here unless they came so
-            out_dtype = x.dtype if x_scale is None else recv.out_dtype
             if x_scale is None:
+                out_dtype = x.dtype
                 x, x_scale = fp8.per_token_group_quant_fp8(x, fp8.FP8_BLOCK)
+            else:
+                out_dtype = recv.out_dtype
             fp8_args = {"x_scale": x_scale, "w_scale": w_scale, "out_dtype": out_dtype}
         if isinstance(recv, MaskedDispatchOutput):
             return grouped_gemm_masked(x, w, recv.masked_m, **fp8_args, fuse_silu_and_mul=gated,
