@@ -88,7 +88,7 @@ class PeerMemory:
         self.rank, self.addresses, self.local, self.buffers = rank, addresses, local, buffers
         self.device, self.nbytes = local.device, local.numel()
         self.error = torch.zeros(1, dtype=torch.int32, device=self.device)  # shared by the dispatchers over this memory
-        self._seen = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type == "cuda")  # ``check`` copies
+        self._seen = torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=self.device.type == "cuda")
         self.keep: object = None  # what keeps a mapping alive, where something must
 
     def peer_set(self, layout: PeerLayout, index: int) -> peer_a2a.PeerSet:
