@@ -29,6 +29,7 @@ from moeserve.distributed.dispatcher import Dispatcher, MaskedDispatchOutput, re
 from moeserve.distributed.groups import Group
 from moeserve.kernels import peer_a2a
 from moeserve.kernels.combine import topk_weighted_sum
+from moeserve.kernels.expert_order import expert_order
 from moeserve.kernels.fp8 import FP8_BLOCK
 
 SETS = 2
@@ -218,15 +219,14 @@ class PeerLowLatencyDispatcher(Dispatcher):
         if hidden.dtype != self.dtype or topk_ids.shape[1] != lay.top_k:
             raise ValueError(f"the peer buffers were laid out for {self.dtype} tokens and top-{lay.top_k}, got "
                              f"{hidden.dtype} and top-{topk_ids.shape[1]}")
-        num_experts = lay.num_ranks * lay.num_local_experts
-        chosen = torch.zeros(num_tokens, num_experts, dtype=torch.int32, device=hidden.device)
-        chosen.scatter_(1, topk_ids, 1)  # [T, E]
-        slots = (torch.cumsum(chosen, 0) - 1).gather(1, topk_ids)  # [T, k]: the row among the expert's
-        send_counts = chosen.sum(0, dtype=torch.int32)  # [E]
+        # each (token, choice)'s row among the tokens this rank sends its expert: its place in the
+        # stable expert order less the expert's segment start (one kernel on CUDA at these sizes)
+        order = expert_order(topk_ids.flatten(), lay.num_ranks * lay.num_local_experts)
+        slots = order.position.view_as(topk_ids) - order.seg_indptr[topk_ids]  # [T, k]
         words = [p.contiguous().view(torch.int32) for p in token_parts(hidden, self.fp8)]
         peers = self.sets[self._calls % SETS]
         self._calls += 1
-        peer_a2a.send_tokens(peers, words[0], words[1] if self.fp8 else None, topk_ids, slots, send_counts,
+        peer_a2a.send_tokens(peers, words[0], words[1] if self.fp8 else None, topk_ids, slots, order.counts,
                              lay.num_local_experts, lay.capacity)
         # every rank sends T * k rows over all experts: T * k / E_local an expert, at equal loads
         expected = -(-num_tokens * lay.top_k // lay.num_local_experts)

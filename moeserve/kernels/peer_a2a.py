@@ -65,7 +65,7 @@ def send_tokens(ps: PeerSet, a: torch.Tensor, b: torch.Tensor | None, topk_ids: 
                 send_counts: torch.Tensor, e_local: int, cap: int) -> None:
     """Step 1. ``a [T, wa]`` and ``b [T, wb]`` (or None) int32: the token rows; ``topk_ids [T, k]``
     int64 physical experts; ``slots [T, k]`` int64: the row of (token, choice) among the tokens
-    this rank sends that expert; ``send_counts [N * E_local]`` int32: tokens sent each expert."""
+    this rank sends that expert; ``send_counts [N * E_local]`` int32 or int64: tokens sent each expert."""
     if use_triton(a):
         from moeserve.kernels.triton import peer_a2a
 

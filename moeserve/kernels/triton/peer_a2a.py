@@ -72,7 +72,7 @@ def _signal_counts_kernel(counts_ptr, count_table, rank, e_local, BLOCK_E: tl.co
     keep = e < e_local
     counts = tl.load(counts_ptr + dst_rank * e_local + e, mask=keep, other=0)
     flags = _peer(count_table, dst_rank, tl.int32) + rank * e_local + e
-    tl.atomic_xchg(flags, counts + 1, mask=keep, sem="release", scope="sys")
+    tl.atomic_xchg(flags, (counts + 1).to(tl.int32), mask=keep, sem="release", scope="sys")
 
 
 @triton.jit
