@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.distributed.comm import scatter_sizes
 from moeserve.distributed.groups import Group
 from moeserve.kernels import fp8 as fp8_kernels
 from moeserve.kernels.combine import topk_weighted_sum
@@ -162,7 +163,7 @@ def step_dispatch_mode(token_counts: list[int], any_extend: bool, attn_tp_size: 
         return "none"
     if deepep_mode != "auto":
         return deepep_mode
-    per_rank = max(-(-t // attn_tp_size) for t in token_counts)  # the largest scattered share
+    per_rank = max(max(scatter_sizes(t, attn_tp_size)) for t in token_counts)  # the largest scattered share
     return "normal" if any_extend or per_rank > ll_capacity else "low_latency"
 
 

@@ -91,8 +91,16 @@ class PeerMemory:
         self.error = torch.zeros(1, dtype=torch.int32, device=self.device)  # shared by the dispatchers over this memory
         self._seen = torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=self.device.type == "cuda")
         self.keep: object = None  # what keeps a mapping alive, where something must
+        self._sets: dict[tuple[PeerLayout, int], peer_a2a.PeerSet] = {}  # every layer's dispatcher shares them
 
     def peer_set(self, layout: PeerLayout, index: int) -> peer_a2a.PeerSet:
+        """Buffer set ``index`` laid out as ``layout`` (made once: its address tables live on the device)."""
+        key = (layout, index)
+        if key not in self._sets:
+            self._sets[key] = self._make_set(layout, index)
+        return self._sets[key]
+
+    def _make_set(self, layout: PeerLayout, index: int) -> peer_a2a.PeerSet:
         if layout.nbytes > self.nbytes:
             raise ValueError(f"the peer buffers hold {self.nbytes} bytes, the layout needs {layout.nbytes}")
         offsets, size = layout.offsets()
@@ -204,10 +212,6 @@ class PeerLowLatencyDispatcher(Dispatcher):
         self.memory, self.layout, self.fp8, self.dtype, self.max_spins = memory, layout, fp8, dtype, max_spins
         self.sets = [memory.peer_set(layout, i) for i in range(SETS)]
         self._calls = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.layout.capacity
 
     def dispatch_a(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> _PeerPending:
         """``hidden [T, D]`` with ``T <= C``, ``topk_ids [T, k]`` int64 in ``[0, E)``, ``topk_weights [T, k]``."""

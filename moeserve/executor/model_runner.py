@@ -11,6 +11,7 @@ import torch
 from moeserve.cache import MLAKVPool, PagePool, kv_capacity_tokens
 from moeserve.config import EngineConfig
 from moeserve.core import DPInfo, ForwardBatch, ForwardMode, ScheduleBatch, default_dtype
+from moeserve.distributed.comm import scatter_sizes
 from moeserve.distributed.dispatcher import step_dispatch_mode
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.distributed.groups import single as single_groups
@@ -173,7 +174,7 @@ class ModelRunner:
             mode = self.graph_dp(bucket).moe_mode
         else:  # one rank runs the one mode it has, or the normal one (``ForwardBatch.dp_info``)
             mode = "none" if par.moe_a2a_backend == "none" else par.deepep_mode.replace("auto", "normal")
-        share = -(-bucket // self.groups.attn_tp.size)
+        share = max(scatter_sizes(bucket, self.groups.attn_tp.size))
         return mode == "none" or (mode == "low_latency" and share <= par.max_dispatch_tokens_per_rank)
 
     def graph_dp(self, bucket: int) -> DPInfo:
