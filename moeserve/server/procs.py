@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from moeserve.scheduler.ranks import free_port
+from moeserve.scheduler.ranks import free_port, free_ports
 
 START_TIMEOUT_S = 600
 
@@ -98,9 +98,10 @@ def pd_deployment(model_args: Sequence[str], prefill_args: Sequence[str], decode
         pd = ["--disaggregation-transfer-backend", backend]
         prefill_urls = []
         for i in range(num_prefill):
-            bootstrap = free_port()
+            bootstrap, port = free_ports(2)  # distinct: the prefill server binds both
             procs.append(start(f"prefill{i}", ["serve", *model_args, *pd, *prefill_args, "--disaggregation-mode",
-                                               "prefill", "--disaggregation-bootstrap-port", str(bootstrap)], log_dir))
+                                               "prefill", "--disaggregation-bootstrap-port", str(bootstrap)], log_dir,
+                               port=port))
             prefill_urls += ["--prefill", procs[-1].url, str(bootstrap)]
         decode_urls = []
         for i in range(num_decode):
