@@ -11,7 +11,6 @@ Across nodes they are TCP ports next to ``--dist-init-addr``, bound to its host 
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import shutil
 import socket
@@ -62,17 +61,9 @@ def _keys_from_file(path: str) -> ChannelKeys:
 
 
 def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free now: each socket stays bound until all are picked (one at a time,
-    the kernel may hand the same port out twice in a row)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class RankProcesses:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from moeserve.scheduler.ranks import free_port, free_ports
+from moeserve.scheduler.ranks import free_port
 
 START_TIMEOUT_S = 600
 
@@ -98,10 +98,9 @@ def pd_deployment(model_args: Sequence[str], prefill_args: Sequence[str], decode
         pd = ["--disaggregation-transfer-backend", backend]
         prefill_urls = []
         for i in range(num_prefill):
-            bootstrap, port = free_ports(2)  # distinct: the prefill server binds both
+            bootstrap = free_port()
             procs.append(start(f"prefill{i}", ["serve", *model_args, *pd, *prefill_args, "--disaggregation-mode",
-                                               "prefill", "--disaggregation-bootstrap-port", str(bootstrap)], log_dir,
-                               port=port))
+                                               "prefill", "--disaggregation-bootstrap-port", str(bootstrap)], log_dir))
             prefill_urls += ["--prefill", procs[-1].url, str(bootstrap)]
         decode_urls = []
         for i in range(num_decode):
