@@ -19,7 +19,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 setup: $(BIN)/.installed
 
 test: setup
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=25
 
 demo: setup
 	$(BIN)/moeserve demo

@@ -32,7 +32,7 @@ class FlagSpec:
 def flag(default: Any, help: str = "", choices: tuple[str, ...] | None = None,
          cli_default: Any = _FIELD_DEFAULT) -> Any:
     """A config field that is also a command-line flag: declared once, here, with its default; the CLI
-    and the benchmarks build their parsers from these (``server/cli.py``)."""
+    and the benchmarks build their parsers from these (``flags.py``)."""
     return field(default=default, metadata={"flag": FlagSpec(help, choices, cli_default)})
 
 @dataclass(frozen=True)
@@ -358,7 +358,8 @@ class DisaggConfig:
     disaggregation_mode: str = flag("null", choices=DISAGGREGATION_MODES)
     disaggregation_transfer_backend: str = flag("torch", "how KV moves from prefill to decode ranks (fake: "
                                                          "in-process, for unit tests only)", TRANSFER_BACKENDS)
-    disaggregation_bootstrap_port: int = flag(8998, "prefill: where its bootstrap server listens (on --host)")
+    disaggregation_bootstrap_port: int = flag(8998, "prefill: where its bootstrap server listens (on --host; 0: a free "
+                                                    "port, reported in --port-file)")
     disaggregation_ib_device: str | None = flag(None, "RDMA device for mooncake / nixl")
     disaggregation_host: str = flag("127.0.0.1", "the address this server's side channels and KV data paths "
                                                  "listen on")
@@ -385,7 +386,7 @@ class DisaggConfig:
                  f"must be one of {DISAGGREGATION_MODES}")
         _require(self.disaggregation_transfer_backend in TRANSFER_BACKENDS, "disaggregation_transfer_backend",
                  f"must be one of {TRANSFER_BACKENDS}")
-        _require(0 < self.disaggregation_bootstrap_port < 65536, "disaggregation_bootstrap_port", "must be a port")
+        _require(0 <= self.disaggregation_bootstrap_port < 65536, "disaggregation_bootstrap_port", "must be a port")
         for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
                      "disaggregation_transfer_timeout", "disaggregation_heartbeat_interval"):
             value = getattr(self, name)
@@ -566,7 +567,9 @@ class ServerConfig:
     """The HTTP server of ``moeserve serve`` (not an engine section: the ranks never see it)."""
 
     host: str = flag("127.0.0.1")
-    port: int = flag(30000)
+    port: int = flag(30000, "0: a free port, reported in --port-file")
+    port_file: str | None = flag(None, "once listening, write {\"port\": ..., \"bootstrap_port\": ...} here as JSON "
+                                       "(the ports really bound, for --port 0)")
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY'")
     served_model_name: str = flag("default", "default: the model folder's name", cli_default=None)
     # no limit by default, as SGLang and vLLM: a burst waits in the engine instead of being refused

@@ -39,6 +39,10 @@ class LLM:
 
     One rank runs in this process; a parallel layout (``tp_size`` > 1 …) starts the rank
     processes, exactly as ``moeserve serve`` does, and talks to them over ZMQ.
+
+    ``shutdown()`` (or leaving a ``with`` block) stops the rank processes and frees the model; an
+    LLM that is dropped, or still alive when the interpreter exits, stops its ranks all the same
+    (``RankedEngine``'s finalizer).
     """
 
     def __init__(self, model_path: str, **settings: Any) -> None:
@@ -53,23 +57,35 @@ class LLM:
             self.runner = ModelRunner(self.config)
             self.scheduler = Scheduler(with_dispatch_cap(self.config, 1), self.runner, self.tokenizer)
         self._ids = itertools.count()
+        self._shut_down = False
 
-    def close(self) -> None:
-        """Stop the rank processes (a no-op for a single in-process rank)."""
+    def shutdown(self) -> None:
+        """Stop the rank processes and release the sockets and the model; a second call does
+        nothing. ``generate`` and the expert calls raise afterwards."""
+        self._shut_down = True
         if self._ranks is not None:
             self._ranks.close()
             self._ranks = None
+        else:
+            self.runner = self.scheduler = None  # this process's rank: its model and KV cache
+
+    close = shutdown
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *_: object) -> None:
-        self.close()
+        self.shutdown()
+
+    def _check_running(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this LLM has been shut down")
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt is text or a list of token ids."""
+        self._check_running()
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         token_lists = [self._encode(p) for p in prompt_list]
@@ -111,6 +127,7 @@ class LLM:
         return self._expert_control("stats")
 
     def _expert_control(self, action: ExpertAction) -> dict:
+        self._check_running()
         if self._ranks is not None:
             answer = self._ranks.control(action)
         else:

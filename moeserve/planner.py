@@ -75,6 +75,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from moeserve.config import ModelConfig
+from moeserve.flags import add_config_flags
 
 GiB = 1 << 30
 ACT_BYTES = 2  # bf16 activations
@@ -637,25 +638,23 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model-path", help="checkpoint folder; only its config.json is read")
     src.add_argument("--preset", choices=sorted(PRESETS), help="a released config (dsv3 = DeepSeek-V3)")
     p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
-    p.add_argument("--tp-size", type=int, default=None, help="default: --world")
-    p.add_argument("--dp-size", type=int, default=None, help="default: --world with --enable-dp-attention, else 1")
-    p.add_argument("--enable-dp-attention", action="store_true")
-    p.add_argument("--moe-dense-tp-size", type=int, default=None, help="default: the attention-TP size")
-    p.add_argument("--enable-dp-lm-head", action="store_true")
-    p.add_argument("--ep-num-redundant-experts", type=int, default=0)
-    p.add_argument("--deepep-mode", default="auto", choices=["auto", "normal", "low_latency"])
-    p.add_argument("--enable-two-batch-overlap", action="store_true")
+    # the server's own flags, where a plan reads them; a layout is sized from --world
+    add_config_flags(p, {"tp_size", "dp_size", "enable_dp_attention", "moe_dense_tp_size", "enable_dp_lm_head",
+                         "ep_num_redundant_experts", "deepep_mode", "enable_two_batch_overlap", "mem_fraction_static",
+                         "max_dispatch_tokens_per_rank"},
+                     defaults={"tp_size": None, "dp_size": None, "max_dispatch_tokens_per_rank": None},
+                     helps={"tp_size": "default: --world",
+                            "dp_size": "default: --world with --enable-dp-attention, else 1",
+                            "max_dispatch_tokens_per_rank": "low-latency dispatch capacity C (default: the tokens "
+                                                            "in flight; the server's is 128)"})
     p.add_argument("--weight-dtype", choices=["fp8", "bf16"], default=None,
                    help="default: fp8 for an FP8 checkpoint, else bf16")
     p.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GiB per GPU: 80 = H100, 141 = H200")
-    p.add_argument("--mem-fraction-static", type=float, default=0.88)
     p.add_argument("--phase", choices=["prefill", "decode"], default="prefill")
     p.add_argument("--tokens-per-rank", type=int, default=None,
                    help="prefill: tokens per forward per rank (default 16384); decode: running sequences (256)")
     p.add_argument("--context-len", type=int, default=None, help="sequence length (default 4096 prefill, 2000 decode)")
-    p.add_argument("--max-dispatch-tokens-per-rank", type=int, default=None,
-                   help="low-latency dispatch capacity C (default: the tokens in flight; the server's is 128)")
     p.add_argument("--cuda-graph-k", type=float, default=None, help="k of the dense-TP formula (0 prefill, 3 decode)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 

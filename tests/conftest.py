@@ -4,15 +4,27 @@ import pytest
 import torch
 
 from tests.hf_models import cached_hf_model
+from tests.kernels.interpreter import prefetch, stop_prefetched
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """The Triton-interpreter runs of the selected modules start now, beside the rest of the session."""
+    for entry in dict.fromkeys(getattr(item.module, "INTERPRETED", None) for item in session.items
+                               if isinstance(item, pytest.Function)):
+        if entry is not None:
+            prefetch(entry)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    stop_prefetched()
 
 
 @pytest.fixture(scope="session")

@@ -160,12 +160,10 @@ def run_dispatch_benchmark(args: argparse.Namespace) -> str:
     """Spawn the ranks, time every call; the table (and ``--output-json``) of the results."""
     import torch.multiprocessing as mp
 
-    from moeserve.scheduler.ranks import free_port
-
     cfg = DispatchBenchConfig.from_args(args)
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "rows.json")
-        mp.start_processes(_rank_main, args=(cfg, free_port(), path), nprocs=cfg.world_size,
+        path = os.path.join(tmp, "rows.json")  # the ranks meet in a file store beside it: no port to pick
+        mp.start_processes(_rank_main, args=(cfg, f"file://{tmp}/store", path), nprocs=cfg.world_size,
                            start_method="spawn", daemon=True)
         with open(path) as f:
             result = json.load(f)
@@ -205,11 +203,11 @@ def format_table(cfg: DispatchBenchConfig, rows: list[Row], device_name: str, no
 # rank side
 
 
-def _rank_main(rank: int, cfg: DispatchBenchConfig, port: int, path: str) -> None:
+def _rank_main(rank: int, cfg: DispatchBenchConfig, init_method: str, path: str) -> None:
     try:
         if cfg.device == "cpu":
             torch.set_num_threads(1)  # the ranks share the cores
-        init_world(f"tcp://127.0.0.1:{port}", rank, cfg.world_size, cfg.device, local_rank=rank)
+        init_world(init_method, rank, cfg.world_size, cfg.device, local_rank=rank)
         host = dist.new_group(backend="gloo") if cfg.device == "cuda" else dist.group.WORLD
         ep = Group(dist.group.WORLD, rank, cfg.world_size, list(range(cfg.world_size)))
         bench = _RankBench(cfg, ep, host)

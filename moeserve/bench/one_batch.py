@@ -27,6 +27,7 @@ from moeserve.cache import PagePool
 from moeserve.config import EngineConfig, build_engine_config, default_page_size, engine_config_for
 from moeserve.core import ForwardMode, Req, SamplingParams, ScheduleBatch, ScheduledSeq
 from moeserve.executor.model_runner import ModelRunner
+from moeserve.flags import add_config_flags
 
 GB = 1e9
 
@@ -46,8 +47,6 @@ def add_model_args(p: argparse.ArgumentParser, preset: str | None = None, num_la
     p.add_argument("--num-layers", type=int, default=num_layers, help="with --preset: stack this many layers")
     p.add_argument("--num-dense-layers", type=int, default=None,
                    help="with --preset: dense layers among them (default: the released share, at least 1)")
-    from moeserve.server.cli import add_config_flags
-
     add_config_flags(p, names={"load_format", "dtype", "device", "page_size", "max_total_tokens",
                                "mem_fraction_static", "quantization", "disable_cuda_graph", "cuda_graph_max_bs",
                                "max_prefill_tokens"},

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from moeserve.bench.network import NetworkModel, Traffic, network_model
-from moeserve.bench.one_batch import sync
+from moeserve.bench.one_batch import default_device, sync
 from moeserve.config import EngineConfig, ModelConfig, default_page_size, engine_config_for
 from moeserve.core import ForwardBatch, ForwardMode, Req, SamplingParams, ScheduleBatch, ScheduledSeq
 from moeserve.distributed.emulated import EmulatedEP
@@ -45,6 +45,7 @@ from moeserve.eplb.algorithm import trivial_phy2log
 from moeserve.eplb.placement import ExpertPlacement
 from moeserve.executor import overlap
 from moeserve.executor.model_runner import ModelRunner
+from moeserve.flags import add_config_flags
 from moeserve.layers.moe import MoEOptions
 
 GB = 1e9
@@ -410,14 +411,14 @@ def model_from(args: argparse.Namespace) -> ModelConfig:
 def add_rank_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--role", choices=("prefill", "decode"), required=True)
-    p.add_argument("--ep-size", type=int, required=True, help="ranks of the EP group this rank is one of")
     p.add_argument("--redundant", type=int, default=0, help="redundant expert slots over the whole group")
     p.add_argument("--tokens-per-rank", type=int, default=16384, help="prefill: tokens a rank runs a step")
     p.add_argument("--input-len", type=int, default=4096, help="prefill: prompt length")
     p.add_argument("--batch-per-rank", type=int, default=256, help="decode: sequences a rank runs a step")
     p.add_argument("--context", type=int, default=2000, help="decode: cached tokens per sequence")
-    p.add_argument("--quantization", choices=("fp8",), default=None)
-    p.add_argument("--enable-two-batch-overlap", action="store_true")
+    add_config_flags(p, {"ep_size", "quantization", "enable_two_batch_overlap", "device", "page_size"},
+                     defaults={"device": default_device()}, required={"ep_size"},
+                     helps={"ep_size": "ranks of the EP group this rank is one of"})
     bal = p.add_mutually_exclusive_group()
     bal.add_argument("--balancedness", type=float, default=None,
                      help="mean / busiest rank's expert rows, every MoE layer (default 1.0: perfect balance)")
@@ -428,8 +429,6 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-hour-usd", type=float, default=2.0, help="for the cost per million tokens")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="also the step's device time by kernel")
     p.add_argument("--json", default=None, metavar="PATH")
@@ -496,13 +495,12 @@ REFERENCES = {
 def add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", default="sglang-96xh100", choices=sorted(REFERENCES))
     _add_model_args(p)
-    p.add_argument("--quantization", choices=("fp8", "none"), default="fp8")
+    add_config_flags(p, {"quantization", "device"}, defaults={"quantization": "fp8", "device": default_device()})
     p.add_argument("--balancedness", type=float, default=1.0)
     p.add_argument("--network", default="deepep")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-hour-usd", type=float, default=2.0)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--overlap", choices=("both", "on", "off"), default="both", help="two-batch overlap")
     p.add_argument("--roles", nargs="+", choices=("prefill", "decode"), default=["prefill", "decode"])
     p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
@@ -540,8 +538,7 @@ def run_deployment_benchmark(args: argparse.Namespace) -> int:
                               context=max(1, int(r["context"] * args.scale_load))))
             spec = RankSpec(role, r["ep_size"], r["redundant"], balancedness=args.balancedness,
                             two_batch_overlap=tbo, **load)
-            quantization = None if args.quantization == "none" else args.quantization
-            out = run_rank(model, spec, network, device=args.device, quantization=quantization,
+            out = run_rank(model, spec, network, device=args.device, quantization=args.quantization,
                            repeats=args.repeats, gpus_per_node=args.gpus_per_node, gpu_hour_usd=args.gpu_hour_usd,
                            profile=args.profile)
             print(format_report(out), file=sys.stderr, flush=True)

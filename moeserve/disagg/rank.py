@@ -1,4 +1,4 @@
-"""What a rank of a prefill or decode server adds to the rank loop: its role and transfer manager."""
+"""What a rank of a prefill or decode server adds to the rank loop: its role and KV transfers."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import os
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.disagg.roles import AUX_WIDTH, DecodeRole, PrefillRole
+from moeserve.disagg.roles import DecodeRole, PrefillRole
 from moeserve.disagg.secret import read_secret
-from moeserve.disagg.transfer.manager import Deadlines, KVArgs, KVManager, RankIdentity
+from moeserve.disagg.transfer.decode import DecodeTransfer
+from moeserve.disagg.transfer.loop import Deadlines, KVArgs
+from moeserve.disagg.transfer.prefill import PrefillTransfer
+from moeserve.disagg.transfer.protocol import AUX_WIDTH, RankIdentity
 from moeserve.distributed.groups import ParallelGroups
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.models.checkpoint import model_fingerprint
@@ -18,13 +21,14 @@ FAILURE_PROB_ENV = "MOESERVE_TEST_DISAGG_FAILURE_PROB"
 
 
 def prefill_role(config: EngineConfig, groups: ParallelGroups, runner: ModelRunner) -> PrefillRole:
-    manager = _manager("prefill", config, groups, runner)
-    return PrefillRole(manager, manager.args.aux.shape[0])
+    d = config.disagg
+    transfer = PrefillTransfer(_kv_args(config, groups, runner, (d.bootstrap_host, d.disaggregation_bootstrap_port)))
+    return PrefillRole(transfer, transfer.args.aux.shape[0])
 
 
 def decode_role(config: EngineConfig, groups: ParallelGroups, runner: ModelRunner) -> DecodeRole:
-    manager = _manager("decode", config, groups, runner)
-    return DecodeRole(manager, manager.args.aux.shape[0])
+    transfer = DecodeTransfer(_kv_args(config, groups, runner, None))
+    return DecodeRole(transfer, transfer.args.aux.shape[0])
 
 
 def _aux_slots(config: EngineConfig) -> int:
@@ -32,7 +36,9 @@ def _aux_slots(config: EngineConfig) -> int:
     return 4 * config.scheduler.max_running_requests
 
 
-def _manager(role: str, config: EngineConfig, groups: ParallelGroups, runner: ModelRunner) -> KVManager:
+def _kv_args(config: EngineConfig, groups: ParallelGroups, runner: ModelRunner,
+             bootstrap: tuple[str, int] | None) -> KVArgs:
+    """What the rank's transfers work with; ``bootstrap``: a prefill rank's own bootstrap server."""
     d = config.disagg
     kv = runner.kv_pool.buffer
     aux = torch.zeros(_aux_slots(config), AUX_WIDTH, dtype=torch.float64, device=kv.device)
@@ -40,13 +46,11 @@ def _manager(role: str, config: EngineConfig, groups: ParallelGroups, runner: Mo
                             num_layers=kv.shape[0], model=model_fingerprint(config), num_drafts=config.spec.num_drafts,
                             dp_rank=groups.dp_rank, tp_rank=groups.attn_tp.rank, attn_tp_size=groups.attn_tp.size,
                             attn_dp_size=groups.dp_size)
-    bootstrap = (d.bootstrap_host, d.disaggregation_bootstrap_port) if role == "prefill" else None
     deadlines = Deadlines(d.disaggregation_bootstrap_timeout, d.disaggregation_waiting_timeout,
                           d.disaggregation_transfer_timeout, d.disaggregation_heartbeat_interval,
                           d.disaggregation_heartbeat_max_failures)
-    args = KVArgs(d.disaggregation_transfer_backend, kv, aux, identity, d.disaggregation_host,
+    return KVArgs(d.disaggregation_transfer_backend, kv, aux, identity, d.disaggregation_host,
                   read_secret(d.secret_path), d.disaggregation_ib_device, bootstrap, deadlines, failure_prob())
-    return KVManager(role, args)
 
 
 def failure_prob() -> float:

@@ -18,30 +18,25 @@ distribution. (The drafts, not the last hidden state: the prefill side must run 
 the whole prompt anyway, for the KV the decode side's later drafts attend to.)
 
 The ranks of one attention-TP group move a request on only when every one of them sees it ready
-(``sched.tp_min`` over the states), so they keep scheduling the same batches.
+(``sched.collectives.tp_min`` over the states), so they keep scheduling the same batches.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
-from moeserve.config import PD_MAX_DRAFTS
-from moeserve.core import FinishReason, Req, TokenLogprob
+from moeserve.core import FinishReason, Req
 from moeserve.disagg.transfer.base import KVPoll
-from moeserve.disagg.transfer.manager import KVManager, KVReceiver, KVSender, MirrorSender
+from moeserve.disagg.transfer.decode import DecodeTransfer, KVReceiver
+from moeserve.disagg.transfer.prefill import KVSender, MirrorSender, PrefillTransfer
+from moeserve.disagg.transfer.protocol import read_aux, write_aux
 from moeserve.scheduler.requests import release_pages
 from moeserve.scheduler.roles import Role
 
 if TYPE_CHECKING:
     from moeserve.scheduler.scheduler import Scheduler
 
-MAX_TOP_LOGPROBS = 20
-AUX_DRAFTS = 3 + 2 * MAX_TOP_LOGPROBS  # after: token id, its logprob, how many alternatives, their ids, their logprobs
-AUX_WIDTH = AUX_DRAFTS + 1 + PD_MAX_DRAFTS  # then how many drafts, the drafts
 DRAIN_TIMEOUT_S = 60.0  # an aborted room whose prefill side never confirms frees its pages after this
 
 
@@ -62,38 +57,10 @@ class SlotPool:
         return len(self._free)
 
 
-def write_aux(aux: torch.Tensor, slot: int, req: Req, drafts: list[int] = ()) -> None:
-    """The first token (and its logprobs, when asked) and the draft chain after it into
-    ``aux[slot]``, float64 (exact for ids)."""
-    row = torch.full((AUX_WIDTH,), math.nan, dtype=torch.float64)
-    row[0] = req.output_ids[0]
-    row[2] = 0
-    if req.output_logprobs:
-        lp = req.output_logprobs[0]
-        row[1], row[2] = lp.logprob, len(lp.top)
-        for i, (token, value) in enumerate(lp.top[:MAX_TOP_LOGPROBS]):
-            row[3 + i], row[3 + MAX_TOP_LOGPROBS + i] = token, value
-    row[AUX_DRAFTS] = len(drafts)
-    row[AUX_DRAFTS + 1:AUX_DRAFTS + 1 + len(drafts)] = torch.tensor(drafts, dtype=torch.float64)
-    aux[slot].copy_(row)
-
-
-def read_aux(aux: torch.Tensor, slot: int, want_logprobs: bool) -> tuple[int, TokenLogprob | None, list[int]]:
-    """The first token, its logprobs (when asked) and the drafts of ``aux[slot]``."""
-    row = aux[slot].cpu().tolist()
-    token = int(row[0])
-    drafts = [int(t) for t in row[AUX_DRAFTS + 1:AUX_DRAFTS + 1 + int(row[AUX_DRAFTS])]]
-    if not want_logprobs or math.isnan(row[1]):
-        return token, None, drafts
-    n = int(row[2])
-    top = [(int(row[3 + i]), row[3 + MAX_TOP_LOGPROBS + i]) for i in range(n)]
-    return token, TokenLogprob(token, row[1], top), drafts
-
-
 def _agreed(sched: Scheduler, reqs: list[Req],
             transfers: dict[str, KVSender | MirrorSender | KVReceiver]) -> list[tuple[Req, KVPoll]]:
     """Each request with its transfer's state as the whole attention-TP group sees it (the minimum)."""
-    states = sched.tp_min([int(transfers[r.rid].poll()) for r in reqs])
+    states = sched.collectives.tp_min([int(transfers[r.rid].poll()) for r in reqs])
     return [(r, KVPoll(s)) for r, s in zip(list(reqs), states)]
 
 
@@ -106,8 +73,8 @@ def _needs_bootstrap(req: Req, side: str) -> None:
 class PrefillRole(Role):
     name = "prefill"
 
-    def __init__(self, manager: KVManager, aux_slots: int) -> None:
-        self.manager = manager
+    def __init__(self, kv_transfer: PrefillTransfer, aux_slots: int) -> None:
+        self.kv_transfer = kv_transfer
         self.aux = SlotPool(aux_slots)
         self.bootstrapping: list[Req] = []
         self.in_flight: list[Req] = []
@@ -129,7 +96,7 @@ class PrefillRole(Role):
     def admit(self, req: Req) -> None:
         slot = self.aux.alloc()
         self.aux_of[req.rid] = slot
-        self.senders[req.rid] = self.manager.sender(req.bootstrap.room, slot)
+        self.senders[req.rid] = self.kv_transfer.sender(req.bootstrap.room, slot)
         self.sent_pages[req.rid] = 0
         self.bootstrapping.append(req)
 
@@ -169,7 +136,7 @@ class PrefillRole(Role):
                 continue
             if last:
                 drafts = spec.drafts.pop(req.rid, []) if spec is not None else []
-                write_aux(self.manager.args.aux, self.aux_of[req.rid], req, drafts)
+                write_aux(self.kv_transfer.args.aux, self.aux_of[req.rid], req, drafts)
             first = self.sent_pages[req.rid]
             if upto > first or last:
                 self.senders[req.rid].send(first, req.page_table[first:upto], last)
@@ -209,18 +176,18 @@ class PrefillRole(Role):
         return {"bootstrap": len(self.bootstrapping), "inflight": len(self.in_flight)}
 
     def transfer_stats(self) -> object:
-        return self.manager.stats
+        return self.kv_transfer.stats
 
     def close(self) -> None:
-        self.manager.close()
+        self.kv_transfer.close()
 
 
 class DecodeRole(Role):
     name = "decode"
     caches_prefixes = False  # its KV arrives from the prefill side
 
-    def __init__(self, manager: KVManager, aux_slots: int) -> None:
-        self.manager = manager
+    def __init__(self, kv_transfer: DecodeTransfer, aux_slots: int) -> None:
+        self.kv_transfer = kv_transfer
         self.aux = SlotPool(aux_slots)
         self.prealloc: list[Req] = []
         self.transfer: list[Req] = []
@@ -233,7 +200,7 @@ class DecodeRole(Role):
 
     def admit(self, req: Req) -> None:
         b = req.bootstrap
-        self.receivers[req.rid] = self.manager.receiver(b.room, b.host, b.port, b.prefill_dp_rank)
+        self.receivers[req.rid] = self.kv_transfer.receiver(b.room, b.host, b.port, b.prefill_dp_rank)
         self.prealloc.append(req)
 
     def poll(self) -> list[Req]:
@@ -269,11 +236,12 @@ class DecodeRole(Role):
         self.aux_of[req.rid] = slot
         self.prealloc.remove(req)
         self.transfer.append(req)
+        # only queued: a failure that landed since the poll stays (the loop never revives a failed room)
         self.receivers[req.rid].init(req.page_table, slot)
         return True
 
     def _start_decoding(self, req: Req) -> Req:
-        token, logprob, drafts = read_aux(self.manager.args.aux, self.aux_of[req.rid],
+        token, logprob, drafts = read_aux(self.kv_transfer.args.aux, self.aux_of[req.rid],
                                           req.params.logprobs is not None)
         self._forget(req)
         spec = self.sched.spec
@@ -328,7 +296,7 @@ class DecodeRole(Role):
     def _drain(self) -> None:
         """Free what aborted rooms held, once every rank of the group sees the room settled."""
         now = time.monotonic()
-        ready = self.sched.tp_min([int(r.settled or now > deadline) for _, r, deadline in self.draining])
+        ready = self.sched.collectives.tp_min([int(r.settled or now > deadline) for _, r, deadline in self.draining])
         for entry, done in zip(list(self.draining), ready):
             if done:
                 self.draining.remove(entry)
@@ -349,7 +317,7 @@ class DecodeRole(Role):
         return {"prealloc": len(self.prealloc), "transfer": len(self.transfer), "draining": len(self.draining)}
 
     def transfer_stats(self) -> object:
-        return self.manager.stats
+        return self.kv_transfer.stats
 
     def close(self) -> None:
-        self.manager.close()
+        self.kv_transfer.close()

@@ -19,6 +19,13 @@ import torch
 import torch.distributed as dist
 
 STORE_TIMEOUT_S = 1800  # ranks of other nodes may start much later than node 0
+# How long a gloo collective waits for a peer that is alive but not there yet (torch's default,
+# stated). A peer that exits is noticed at once (gloo sees its connection close, ~1-2 s), so this
+# only bounds a live peer that is late; and late is normal: model loading and graph capture that
+# take longer on one rank, a long CPU prefill that an idle rank's all-to-all waits out (on CPU the
+# world group is gloo), a leader held back by a slow reader of its outputs. Shorter could end a
+# healthy engine; rank processes whose launcher is gone exit by themselves (``EngineLoop.run``).
+GLOO_TIMEOUT = timedelta(minutes=30)
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 # NVLink multicast (NVLS) buys nothing for these collectives (all-to-alls, gathers, small
@@ -87,7 +94,7 @@ def init_world(init_method: str, rank: int, world_size: int, device: str, local_
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # read when the backends start
         os.environ.setdefault(name, interface)
     if device != "cuda":
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=GLOO_TIMEOUT)
         return
     for name, value in MULTICAST_OFF.items():  # read when NCCL and CUDA first start in this process
         os.environ.setdefault(name, value)
@@ -140,7 +147,7 @@ def build_groups(world_size: int, rank: int, attn_tp: int, dense_tp: int, ep_siz
     ep = world if ep_size == world_size else Group(None, 0, 1, [rank])
     cpu_world = cpu_tp = None
     if dist.get_backend() != "gloo":
-        cpu_world = Group(dist.new_group(backend="gloo"), rank, world_size, world.ranks)
+        cpu_world = Group(dist.new_group(backend="gloo", timeout=GLOO_TIMEOUT), rank, world_size, world.ranks)
         cpu_tp = _partition(world_size, rank, attn_tp, stride=1, backend="gloo")
     # with a DP LM head, each DP group runs the vocab-parallel head for its own tokens only
     return ParallelGroups(world, tp, dp, dense, ep, tp if dp_lm_head else world, cpu_world, cpu_tp)
@@ -155,7 +162,8 @@ def _partition(world_size: int, rank: int, size: int, stride: int, backend: str 
     for block in range(world_size // (size * stride)):
         for offset in range(stride):
             ranks = [block * size * stride + offset + i * stride for i in range(size)]
-            group = dist.new_group(ranks, backend=backend) if size > 1 else None
+            timeout = GLOO_TIMEOUT if backend == "gloo" else None  # None: the world's backend's default
+            group = dist.new_group(ranks, backend=backend, timeout=timeout) if size > 1 else None
             if rank in ranks:
                 mine = Group(group, ranks.index(rank), size, ranks)
     assert mine is not None

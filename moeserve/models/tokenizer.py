@@ -6,11 +6,14 @@ transformers is imported inside ``load_tokenizer`` only, so engines that run on 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# the class names transformers saves for a tokenizer that tokenizer.json defines whole
+PLAIN_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 # Tokens of prompt kept as left context when detokenizing the first output tokens: enough for
 # tokenizers whose decode of a lone token differs from its decode in context (SentencePiece's
@@ -19,12 +22,28 @@ INITIAL_CONTEXT_TOKENS = 5
 
 
 def load_tokenizer(path: str) -> Tokenizer | None:
-    """The tokenizer saved in the folder ``path``, or None when it has no tokenizer files."""
+    """The tokenizer saved in the folder ``path``, or None when it has no tokenizer files.
+
+    A plain fast tokenizer (``tokenizer.json`` alone defines it) is built by its own class:
+    ``AutoTokenizer`` imports the code of every model family (torch.compile's included), seconds
+    in each process that loads a tokenizer -- the API process and every rank."""
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
+    if _tokenizer_class(path) in PLAIN_FAST_TOKENIZERS:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return Tokenizer(TokenizersBackend.from_pretrained(path))
     from transformers import AutoTokenizer
 
     return Tokenizer(AutoTokenizer.from_pretrained(path))
+
+
+def _tokenizer_class(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class Tokenizer:

@@ -25,13 +25,14 @@ from moeserve.config import EngineConfig, RunnerConfig
 from moeserve.core import DPInfo, FinishReason, Req, ScheduleBatch
 from moeserve.distributed.comm import all_gather_flat, broadcast_bytes
 from moeserve.distributed.dispatcher import step_dispatch_mode
-from moeserve.distributed.groups import ParallelGroups, build_groups, init_world
+from moeserve.distributed.groups import Group, ParallelGroups, build_groups, init_world
 from moeserve.distributed.groups import single as single_groups
+from moeserve.eplb.manager import EplbManager
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.executor.overlap import split_batch
 from moeserve.executor.sampler import SampleOutput
 from moeserve.models.tokenizer import load_tokenizer
-from moeserve.scheduler.channel import connect
+from moeserve.scheduler.channel import RANK_LINGER_MS, RANK_SEND_TIMEOUT_MS, connect
 from moeserve.scheduler.controls import ExpertControls
 from moeserve.scheduler.io import (
     AbortInput,
@@ -47,7 +48,7 @@ from moeserve.scheduler.io import (
 )
 from moeserve.scheduler.ranks import RankAddresses
 from moeserve.scheduler.roles import make_role
-from moeserve.scheduler.scheduler import Scheduler, with_dispatch_cap
+from moeserve.scheduler.scheduler import Collectives, Detokenizer, Scheduler, with_dispatch_cap
 from moeserve.scheduler.speculative import Verdict
 
 logger = logging.getLogger(__name__)
@@ -99,54 +100,50 @@ def decode_graph_bucket(seq_counts: list[int], any_extend: bool, graph_sizes: li
     return graph_sizes[bisect.bisect_left(graph_sizes, max(seq_counts))]
 
 
-class EngineLoop:
-    def __init__(self, config: EngineConfig, groups: ParallelGroups, addrs: RankAddresses | None) -> None:
-        self.config, self.groups = config, groups
-        self.is_leader = groups.attn_tp.first
-        tokenizer = load_tokenizer(config.load.tokenizer_path or config.load.model_path)
-        self.runner = ModelRunner(config, groups)
-        role = make_role(config.disagg.disaggregation_mode, config, groups, self.runner)
-        self.scheduler = Scheduler(with_dispatch_cap(config, groups.attn_tp.size), self.runner, tokenizer, role)
-        self.controls = ExpertControls(self.runner.eplb, config.eplb, reply=self._reply_control)
-        self._init_collectives()
-        self.codec = Codec(EngineInput)
-        self._peer_codec = Codec(list[EngineInput])  # messages the leader shares with its TP peers
-        self._sample_codec = Codec(SampleOutput)
-        self._verdict_codec = Codec(Verdict)
-        if self.is_leader and addrs is not None:
-            self._init_sockets(addrs, groups.dp_rank)
-        self._sent: dict[str, int] = {}  # rid -> output tokens already sent (the leader sends, so only it counts)
-        self._steps, self._last_stats, self._busy = 0, 0.0, False
-        self._parent = os.getppid()
+def from_leader(tp: Group, codec: Codec, value: object) -> object:
+    """The attention-TP leader's ``value`` on every rank of its group ``tp``, as bytes checked
+    against ``codec``'s schema (it cannot fail to decode unless the ranks disagree on code)."""
+    if tp.size == 1:
+        return value
+    msg = codec.decode([broadcast_bytes(codec.encode(value) if tp.first else b"", tp)])
+    if msg is None:
+        raise RuntimeError(f"a message from the group leader did not decode: {codec.last_error}")
+    return msg
 
-    def _init_collectives(self) -> None:
-        """What the scheduler must agree on with the other ranks, each step."""
-        par, sched = self.config.parallel, self.scheduler
-        overlap = self.config.runner if self.config.runner.enable_two_batch_overlap else None
-        graphs = self.runner.graph_runner
-        graph_sizes = graphs.batch_sizes if graphs is not None and self.groups.world.size > 1 else None
-        sched.sample_sync = self._share_samples
-        sched.verdict_sync = lambda verdict: self._from_leader(self._verdict_codec, verdict)
-        sched.tp_min = self._tp_min
 
-        def agree_step(batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:
-            eplb = self.runner.eplb  # its state is the same on every rank (passes and agreed controls)
-            dp, controls_ready = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode,
-                                       par.max_dispatch_tokens_per_rank, self.controls.seen,
-                                       eplb is not None and eplb.busy, overlap, graph_sizes)
-            self.controls.run(controls_ready)  # every rank at this same step
-            return dp is not None, dp
+class RankCollectives(Collectives):
+    """A rank process's collectives, over its parallel ``groups``: the step agreement over the
+    world, which also runs the expert ``controls`` every rank holds by then, at that same step;
+    the attention-TP leader's samples and verdicts; minima over the attention-TP group."""
 
-        def agree_phase(batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:
-            """A further forward pass within the step (speculative decoding's draft passes)."""
-            dp, _ = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode, par.max_dispatch_tokens_per_rank)
-            return dp is not None, dp
+    def __init__(self, config: EngineConfig, groups: ParallelGroups, controls: ExpertControls,
+                 eplb: EplbManager | None, graph_sizes: list[int] | None) -> None:
+        self.groups, self.parallel = groups, config.parallel
+        self.controls, self.eplb = controls, eplb
+        self.overlap = config.runner if config.runner.enable_two_batch_overlap else None
+        self.graph_sizes = graph_sizes  # the decode graphs every rank replays together (None: none)
+        self._sample_codec, self._verdict_codec = Codec(SampleOutput), Codec(Verdict)
 
-        sched.agree = agree_step
-        sched.agree_phase = agree_phase
+    def agree(self, batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:
+        par, eplb = self.parallel, self.eplb  # the eplb's state is the same on every rank (passes, agreed controls)
+        dp, controls_ready = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode,
+                                   par.max_dispatch_tokens_per_rank, self.controls.seen,
+                                   eplb is not None and eplb.busy, self.overlap, self.graph_sizes)
+        self.controls.run(controls_ready)  # every rank at this same step
+        return dp is not None, dp
 
-    def _tp_min(self, values: list[int]) -> list[int]:
-        """The elementwise minimum of ``values`` over the attention-TP group (same length on every rank)."""
+    def agree_phase(self, batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:
+        par = self.parallel
+        dp, _ = agree(self.groups, batch, par.moe_a2a_backend, par.deepep_mode, par.max_dispatch_tokens_per_rank)
+        return dp is not None, dp
+
+    def sample_sync(self, out: SampleOutput) -> SampleOutput:
+        return from_leader(self.groups.cpu_attn_tp, self._sample_codec, out)
+
+    def verdict_sync(self, verdict: Verdict) -> Verdict:
+        return from_leader(self.groups.cpu_attn_tp, self._verdict_codec, verdict)
+
+    def tp_min(self, values: list[int]) -> list[int]:
         tp = self.groups.cpu_attn_tp
         if tp.size == 1 or not values:
             return values
@@ -154,26 +151,67 @@ class EngineLoop:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
         return t.tolist()
 
+
+class EngineLoop:
+    def __init__(self, config: EngineConfig, groups: ParallelGroups, addrs: RankAddresses | None) -> None:
+        self.config, self.groups = config, groups
+        self.is_leader = groups.attn_tp.first
+        tokenizer = load_tokenizer(config.load.tokenizer_path or config.load.model_path)
+        self.runner = ModelRunner(config, groups)
+        self.controls = ExpertControls(self.runner.eplb, config.eplb, reply=self._reply_control)
+        self.scheduler = self._init_scheduler(tokenizer)
+        self.codec = Codec(EngineInput)
+        self._peer_codec = Codec(list[EngineInput])  # messages the leader shares with its TP peers
+        if self.is_leader and addrs is not None:
+            self._init_sockets(addrs, groups.dp_rank)
+        self._sent: dict[str, int] = {}  # rid -> output tokens already sent (the leader sends, so only it counts)
+        self._steps, self._last_stats, self._busy = 0, 0.0, False
+        self._parent = os.getppid()
+
+    def _init_scheduler(self, tokenizer: Detokenizer) -> Scheduler:
+        """This rank's scheduler, in its role, agreeing with the other ranks through ``RankCollectives``."""
+        config, groups, runner = self.config, self.groups, self.runner
+        graphs = runner.graph_runner
+        graph_sizes = graphs.batch_sizes if graphs is not None and groups.world.size > 1 else None
+        collectives = RankCollectives(config, groups, self.controls, runner.eplb, graph_sizes)
+        role = make_role(config.disagg.disaggregation_mode, config, groups, runner)
+        return Scheduler(with_dispatch_cap(config, groups.attn_tp.size), runner, tokenizer, role, collectives)
+
     def _init_sockets(self, addrs: RankAddresses, dp_rank: int) -> None:
         ctx = zmq.Context.instance()
         self.inputs = connect(ctx, zmq.PULL, addrs.inputs[dp_rank], addrs.keys)
         self.outputs = connect(ctx, zmq.PUSH, addrs.output, addrs.keys)
+        self.outputs.sndtimeo = RANK_SEND_TIMEOUT_MS  # ``_send`` retries while the parent lives
+        for sock in (self.inputs, self.outputs):
+            sock.linger = RANK_LINGER_MS  # no context end waits forever on a message for a peer that is gone
         self.poller = zmq.Poller()
         self.poller.register(self.inputs, zmq.POLLIN)
+        self.stats_dropped = 0  # stats not sent because the API process was not reading
 
     def run(self) -> None:
-        while True:
-            messages = self._share(self._receive() if self.is_leader else [])
-            if any(isinstance(m, ShutdownInput) for m in messages):
-                return
-            for msg in messages:
-                self._handle(msg)
-            self._busy = self._step()
-            if self.is_leader:
-                self._send_stats()
-            if os.getppid() != self._parent:
-                logger.error("the process that started this rank is gone; exiting")
-                return
+        """Step until a ``ShutdownInput`` arrives or the process that started this rank is gone.
+
+        A rank notices a dead parent at the end of each step, or in ``_send`` when blocked; a peer
+        rank that exits makes this rank's next collective fail at once (gloo sees the connection
+        close), so no rank outlives its launch by more than about a step and a second. A failure
+        after the parent is gone is that, not a fault of this rank's own."""
+        try:
+            while True:
+                messages = self._share(self._receive() if self.is_leader else [])
+                if any(isinstance(m, ShutdownInput) for m in messages):
+                    return
+                for msg in messages:
+                    self._handle(msg)
+                self._busy = self._step()
+                if self.is_leader:
+                    self._send_stats()
+                if os.getppid() != self._parent:
+                    logger.error("the process that started this rank is gone; exiting")
+                    return
+        except Exception as exc:
+            if os.getppid() == self._parent:
+                raise
+            logger.error("the process that started this rank is gone; exiting (%s)", type(exc).__name__)
 
     def _step(self) -> bool:
         """One scheduler step; True when it ran a forward pass."""
@@ -204,22 +242,7 @@ class EngineLoop:
 
     def _share(self, msgs: list[object]) -> list[object]:
         """The leader's messages, on every rank of its attention-TP group."""
-        return self._from_leader(self._peer_codec, msgs)
-
-    def _share_samples(self, out: SampleOutput) -> SampleOutput:
-        """Ranks sharing a batch append the leader's tokens, whatever their own RNG drew."""
-        return self._from_leader(self._sample_codec, out)
-
-    def _from_leader(self, codec: Codec, value: object) -> object:
-        """The attention-TP leader's ``value`` on every rank of the group, as bytes checked against
-        ``codec``'s schema (it cannot fail to decode unless the ranks disagree on code)."""
-        tp = self.groups.cpu_attn_tp
-        if tp.size == 1:
-            return value
-        msg = codec.decode([broadcast_bytes(codec.encode(value) if tp.first else b"", tp)])
-        if msg is None:
-            raise RuntimeError(f"a message from the group leader did not decode: {codec.last_error}")
-        return msg
+        return from_leader(self.groups.cpu_attn_tp, self._peer_codec, msgs)
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, ExpertControlInput):
@@ -251,8 +274,20 @@ class EngineLoop:
         if self.is_leader:
             self._send(TokenBatch([TokenOutput(rid, [], finish_reason="error", error=message, error_status=status)]))
 
-    def _send(self, msg: object) -> None:
-        self.outputs.send(self.codec.encode(msg))
+    def _send(self, msg: object, wait: bool = True) -> bool:
+        """Send to the API process, waiting while it is behind (back-pressure) but not once it is
+        gone: then ``ConnectionAbortedError``, which ends ``run``. Without ``wait``, a message that
+        cannot leave at once is dropped (False)."""
+        data = self.codec.encode(msg)
+        while True:
+            try:
+                self.outputs.send(data, 0 if wait else zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                if not wait:
+                    return False
+                if os.getppid() != self._parent:
+                    raise ConnectionAbortedError("the process that started this rank is gone") from None
 
     def _send_outputs(self, reqs: list[Req]) -> None:
         batch = [self._delta(req) for req in reqs]
@@ -300,7 +335,8 @@ class EngineLoop:
             stats.transfers, stats.transfer_bytes = dict(transfers.transfers), transfers.bytes
             stats.transfer_seconds, stats.transfer_writes = transfers.seconds, transfers.writes
             stats.prefill_peers_lost = transfers.peers_lost
-        self._send(stats)
+        if not self._send(stats, wait=False):  # the latest state, resent soon: dropped rather than waited for
+            self.stats_dropped += 1
 
 
 def run_rank(config: EngineConfig, rank: int, addrs: RankAddresses, ready: Connection) -> None:

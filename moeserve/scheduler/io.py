@@ -13,9 +13,6 @@ import msgspec
 
 from moeserve.core import BootstrapInfo, SamplingParams, TokenLogprob
 
-# ZMQ drops larger messages before they are read: a request is at most a context of token ids
-MAX_MESSAGE_BYTES = 64 << 20
-
 
 class GenerateInput(msgspec.Struct, tag="generate"):
     rid: str

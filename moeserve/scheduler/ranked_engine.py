@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import weakref
 
 import zmq
 from tqdm import tqdm
@@ -28,6 +30,14 @@ POLL_MS = 500
 
 
 class RankedEngine:
+    """The rank processes of one engine and the sockets to them.
+
+    It owns ``addrs`` (the private run directory), ``channel`` (the ZMQ context, its sockets and the
+    ZAP handler) and ``ranks`` (the processes); each releases what it holds by itself when it is
+    collected. ``close()``, this object's garbage collection or the interpreter's exit ends them in
+    order (``shut_down``): the ranks are told to stop and waited for, then the sockets go, then
+    the directory."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.addrs = RankAddresses.derive(config.parallel)
         self.ctx = zmq.Context()
@@ -36,6 +46,8 @@ class RankedEngine:
         self.output = self.channel.bind(zmq.PULL, self.addrs.output)
         self.codec = Codec(EngineOutput)
         self.ranks = RankProcesses(config, self.addrs)
+        self._close = weakref.finalize(self, shut_down, self.ranks, self.channel, self.addrs, self.inputs,
+                                       self.codec.encode(ShutdownInput()), os.getpid())
         try:
             self.max_total_tokens = self.ranks.wait_ready()["max_total_tokens"]
         except Exception:
@@ -93,10 +105,22 @@ class RankedEngine:
         return True
 
     def close(self) -> None:
-        if self.ranks.dead() is None:
-            for sock in self.inputs:
-                with contextlib.suppress(zmq.Again):
-                    sock.send(self.codec.encode(ShutdownInput()), flags=zmq.NOBLOCK)
-        self.ranks.stop()
-        self.channel.close([*self.inputs, self.output])
-        self.addrs.cleanup()
+        """``shut_down``; a second call does nothing."""
+        self._close()
+
+
+def shut_down(ranks: RankProcesses, channel: ServerSide, addrs: RankAddresses, inputs: list[zmq.Socket],
+              goodbye: bytes, owner_pid: int) -> None:
+    """``RankedEngine``'s end, over what it owns (its finalizer holds these, never the engine): ask
+    every DP group's leader to stop (``goodbye``, a ``ShutdownInput``; never waiting on a socket),
+    stop the ranks (bounded: ``RankProcesses.stop``), close the channel (bounded), remove the run
+    directory. Nothing in a forked child, which inherits the finalizer but not the ranks."""
+    if os.getpid() != owner_pid:
+        return
+    if ranks.dead() is None:
+        for sock in inputs:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(goodbye, flags=zmq.NOBLOCK)
+    ranks.stop()
+    channel.close()
+    addrs.cleanup()

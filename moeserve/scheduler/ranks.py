@@ -11,17 +11,29 @@ Across nodes they are TCP ports next to ``--dist-init-addr``, bound to its host 
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
 import shutil
-import socket
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
+from multiprocessing import forkserver, reduction
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
-from moeserve.config import EngineConfig, ParallelConfig
 from moeserve.scheduler.channel import ChannelKeys
 
+if TYPE_CHECKING:  # this module stays light: a launcher starts the ranks' forkserver before importing torch
+    from moeserve.config import EngineConfig, ParallelConfig
+
 READY_TIMEOUT_S = 1800
+PR_SET_NAME = 15  # prctl(2)
+RANK_MODULE = "moeserve.scheduler.event_loop"  # what a rank runs, with everything it imports
+STOP_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -36,19 +48,33 @@ class RankAddresses:
     def derive(cls, par: ParallelConfig) -> RankAddresses:
         """One node: IPC paths in a new private directory, random keys. Several nodes: ports
         ``p+1`` (outputs) and ``p+2+d`` (inputs) next to the rendezvous port ``p`` on its host, and
-        keys derived from the shared secret file."""
+        keys derived from the shared secret file.
+
+        The private directory goes with ``cleanup()``, the object's garbage collection or the
+        interpreter's exit, whichever comes first (only here: copies sent to the ranks own nothing)."""
         if par.nnodes == 1:
             run_dir = tempfile.mkdtemp(prefix="moeserve-")  # 0700: only this user can reach it
             inputs = tuple(f"ipc://{run_dir}/in{d}" for d in range(par.attn_dp_size))
-            return cls(f"file://{run_dir}/store", f"ipc://{run_dir}/out", inputs, ChannelKeys.generate(), run_dir)
+            addrs = cls(f"file://{run_dir}/store", f"ipc://{run_dir}/out", inputs, ChannelKeys.generate(), run_dir)
+            object.__setattr__(addrs, "_remove", weakref.finalize(addrs, _remove_run_dir, run_dir, os.getpid()))
+            return addrs
         host, port = par.dist_init_addr.rsplit(":", 1)
         base = int(port)
         inputs = tuple(f"tcp://{host}:{base + 2 + d}" for d in range(par.attn_dp_size))
         return cls(f"tcp://{host}:{base}", f"tcp://{host}:{base + 1}", inputs, _keys_from_file(par.dist_secret_file))
 
     def cleanup(self) -> None:
-        if self.run_dir is not None:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        remove = self.__dict__.get("_remove")
+        if remove is not None:
+            remove()
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_remove"}  # a finalizer does not pickle
+
+
+def _remove_run_dir(run_dir: str, owner_pid: int) -> None:
+    if os.getpid() == owner_pid:  # not from a forked child that inherited the finalizer
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _keys_from_file(path: str) -> ChannelKeys:
@@ -60,25 +86,79 @@ def _keys_from_file(path: str) -> ChannelKeys:
         raise ValueError(f"dist_secret_file {path!r}: {exc}") from None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rank_context(device: str) -> BaseContext:
+    """How rank processes start. On CUDA each is spawned, a fresh interpreter (a forked CUDA runtime
+    is not safe). On CPU they fork from a server process that imported the engine once and never
+    ran a thread or OpenMP pool (``forkserver``): a rank starts in a fraction of a second instead of
+    importing torch and the engine again, which is most of a small model's start-up."""
+    if device == "cuda":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([RANK_MODULE])  # read when the server first starts
+    return ctx
+
+
+def prestart_ranks(device: str) -> None:
+    """Start the ranks' forkserver now (on CPU), so that its imports run while the caller does its own."""
+    if device != "cuda":
+        rank_context(device)
+        forkserver.ensure_running()
+
+
+class _Stdio:
+    """The launching process's stdout and stderr, as they are at the launch, for a rank: a forkserver's
+    are the ones it had when it started (another test's capture, another log). Pickled as descriptors
+    the child receives (``multiprocessing.reduction.DupFd``)."""
+
+    def __reduce__(self) -> tuple:
+        return _attach_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _attach_stdio(out: object, err: object) -> None:
+    for fd, dup in ((1, out), (2, err)):
+        received = dup.detach()  # spawned: the same descriptor, passed down
+        if received != fd:
+            os.dup2(received, fd)
+            os.close(received)
+
+
+def _start_rank(env: dict[str, str], stdio: None, *args: object) -> None:
+    """A rank's entry: the launching process's environment and standard streams as they are now (the
+    streams are attached when ``stdio`` is unpickled), then ``run_rank``."""
+    os.environ.clear()
+    os.environ.update(env)
+    _name_process(f"moeserve-rank{args[1]}")
+    from moeserve.scheduler.event_loop import run_rank
+
+    run_rank(*args)
+
+
+def _name_process(name: str) -> None:
+    """``name`` as the process's name in ``ps``, ``top`` and ``/proc/PID/comm`` (Linux; 15 bytes): a
+    forked rank's command line is its forkserver's."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the name is only cosmetic
+        pass
 
 
 class RankProcesses:
-    """This node's engine ranks, spawned (a forked CUDA or OpenMP runtime is not safe)."""
+    """This node's engine ranks, each a process of its own (``rank_context``).
+
+    ``stop()``, the object's garbage collection or the interpreter's exit stops them (``stop_ranks``)."""
 
     def __init__(self, config: EngineConfig, addrs: RankAddresses) -> None:
-        from moeserve.scheduler.event_loop import run_rank
-
         par = config.parallel
-        ctx = mp.get_context("spawn")
+        ctx = rank_context(config.load.device)
         first = par.node_rank * par.ranks_per_node
-        self.procs, self._ready = [], []
+        self.procs: list[BaseProcess] = []
+        self._ready: list[Connection] = []
+        # before the first start: ranks started by a constructor that then fails are stopped too
+        self._stop = weakref.finalize(self, stop_ranks, self.procs, self._ready, STOP_GRACE_S, os.getpid())
         for rank in range(first, first + par.ranks_per_node):
             parent_end, child_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_rank, args=(config, rank, addrs, child_end),
+            proc = ctx.Process(target=_start_rank, args=(dict(os.environ), _Stdio(), config, rank, addrs, child_end),
                                name=f"moeserve-rank{rank}", daemon=True)
             proc.start()
             child_end.close()
@@ -111,15 +191,31 @@ class RankProcesses:
                 return f"{proc.name} exited (code {proc.exitcode})"
         return None
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs:
-            proc.join(max(deadline - time.monotonic(), 0))
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """``stop_ranks``; a second call does nothing."""
+        state = self._stop.detach()
+        if state is not None:
+            _, _, (procs, ready, _, pid), _ = state
+            stop_ranks(procs, ready, grace_s, pid)
+
+
+def stop_ranks(procs: list[BaseProcess], ready: list[Connection], grace_s: float, owner_pid: int) -> None:
+    """Wait up to ``grace_s`` for the ranks to exit (a rank told to shut down does), then terminate
+    them, then kill what is left: at most about ``3 * grace_s`` in all. ``RankProcesses``' finalizer:
+    it holds the processes, never that object, and does nothing in a forked child."""
+    if os.getpid() != owner_pid:
+        return
+    for conn in ready:
+        conn.close()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(deadline - time.monotonic(), 0))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(deadline - time.monotonic(), 0))
+        if proc.is_alive():
+            proc.kill()
             proc.join(grace_s)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -29,25 +29,73 @@ class Detokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+class Collectives(ABC):
+    """What a rank's scheduler decides together with the other ranks, each step. Every rank calls
+    these in the same order (each is a collective on the rank processes), so the ranks run the same
+    forward passes and their requests move alike."""
+
+    @abstractmethod
+    def agree(self, batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:
+        """(anyone has work, what every DP group runs): the ranks run a step together, an idle
+        forward pass for a rank with nothing to run."""
+
+    @abstractmethod
+    def agree_phase(self, batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:
+        """``agree`` for a further forward pass within the step (speculative decoding's drafts)."""
+
+    @abstractmethod
+    def sample_sync(self, out: SampleOutput) -> SampleOutput:
+        """The attention-TP leader's samples: ranks that share a batch append the same tokens."""
+
+    @abstractmethod
+    def verdict_sync(self, verdict: Verdict) -> Verdict:
+        """The leader's verdict on a speculative verify step, as ``sample_sync``."""
+
+    @abstractmethod
+    def tp_min(self, values: list[int]) -> list[int]:
+        """The elementwise minimum over the attention-TP group: its ranks move a request on only
+        when all of them see it ready."""
+
+
+class LocalCollectives(Collectives):
+    """One process alone (the offline ``LLM``): no peers to agree with."""
+
+    def agree(self, batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:
+        return batch is not None, None
+
+    def agree_phase(self, batch: ScheduleBatch | None) -> tuple[bool, DPInfo | None]:
+        return batch is not None, None
+
+    def sample_sync(self, out: SampleOutput) -> SampleOutput:
+        return out
+
+    def verdict_sync(self, verdict: Verdict) -> Verdict:
+        return verdict
+
+    def tp_min(self, values: list[int]) -> list[int]:
+        return values
+
+
 class Scheduler:
     """One rank's scheduler, composed of small parts that each release what they hold of an
     aborted request: the request table, the page allocator, a prefill manager (admission and
     chunking), a decode manager (running batch, retraction) and a role (where a request goes
-    next). ``step`` drives the offline ``LLM`` and the rank processes alike; the rank loop injects
-    only its collectives (``agree``, ``sample_sync``, ``verdict_sync``, ``tp_min``)."""
+    next). ``step`` drives the offline ``LLM`` and the rank processes alike; what differs is
+    only the ``collectives`` it agrees with the other ranks through (the rank loop's)."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Detokenizer | None = None,
-                 role: Role | None = None) -> None:
+                 role: Role | None = None, collectives: Collectives | None = None) -> None:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
+        self.collectives = collectives or LocalCollectives()
         # the model's eos ids and the tokenizer's, which some checkpoints name differently
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(config.model.eos_token_ids) | ({tokenizer_eos} - {None})
         self._init_parts()
         self._init_role(role or MixedRole())
-        self._init_collectives()
         self.sampler = Sampler()
+        self.ran_forward = False  # whether the last step ran a forward pass (an idle one too)
 
     def _init_parts(self) -> None:
         self.requests = RequestTable()
@@ -66,20 +114,6 @@ class Scheduler:
         role.bind(self)
         if role.caches_prefixes and not self.config.cache.disable_radix_cache:
             self.pages.attach(PrefixCache(self.pages))
-
-    def _init_collectives(self) -> None:
-        """One process alone: no peers to agree with. The rank loop replaces these."""
-        # (anyone has work, what every DP group runs): DP ranks run a step together
-        self.agree: Callable[[ScheduleBatch | None], tuple[bool, DPInfo | None]] = lambda b: (b is not None, None)
-        # the same for a further forward pass within a step (speculative decoding's drafts)
-        self.agree_phase: Callable[[ScheduleBatch | None], tuple[bool, DPInfo | None]] = \
-            lambda b: (b is not None, None)
-        # ranks that share a batch must append the same tokens: the leader's
-        self.sample_sync: Callable[[SampleOutput], SampleOutput] = lambda out: out
-        self.verdict_sync: Callable[[Verdict], Verdict] = lambda out: out  # (speculative verify steps)
-        # ranks of an attention-TP group move a request on only when all of them see it ready
-        self.tp_min: Callable[[list[int]], list[int]] = lambda values: values
-        self.ran_forward = False
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
@@ -148,7 +182,7 @@ class Scheduler:
         batch = self.schedule()
         if self.spec is not None:
             batch = self.spec.prepare(batch)  # a decode step verifies drafts
-        anyone, dp = self.agree(batch)
+        anyone, dp = self.collectives.agree(batch)
         self.ran_forward = anyone
         if anyone and self.spec is not None:
             changed += self.spec.run(batch, dp)
@@ -167,7 +201,8 @@ class Scheduler:
         if timeout is None or not self.prefill.waiting:
             return []
         waiting = list(self.prefill.waiting)
-        expired = [req for req, late in zip(waiting, self.tp_min(self.prefill.overdue(timeout))) if late]
+        overdue = self.collectives.tp_min(self.prefill.overdue(timeout))
+        expired = [req for req, late in zip(waiting, overdue) if late]
         for req in expired:
             self.fail(req, f"the request waited more than {timeout} s in the queue (--queue-timeout)", status=503)
         return expired
@@ -190,7 +225,7 @@ class Scheduler:
         if not done:
             return []
         infos = [SamplingInfo(r.params, r.generator, r.prompt_ids, r.output_ids) for _, r in done]
-        sampled = self.sample_sync(self.sampler.sample_isolated(logits[[i for i, _ in done]], infos))
+        sampled = self.collectives.sample_sync(self.sampler.sample_isolated(logits[[i for i, _ in done]], infos))
         for k, (_, req) in enumerate(done):
             if k in sampled.errors:
                 self.fail(req, sampled.errors[k])

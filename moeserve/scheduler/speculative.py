@@ -83,7 +83,7 @@ class SpecDecoder:
         elif batch is not None:  # VERIFY
             width = self.num_drafts + 1
             argmax = _plain_argmax(logits, [s.req for s in batch.seqs for _ in range(width)])
-            verdict = self.sched.verdict_sync(self._judge_all(batch, logits, argmax))
+            verdict = self.sched.collectives.verdict_sync(self._judge_all(batch, logits, argmax))
             appended = [self._apply(seq.req, verdict, i) for i, seq in enumerate(batch.seqs)]
             changed = [seq.req for seq, n in zip(batch.seqs, appended) if n or seq.req.finished]
             pass_ = self._verify_inputs(batch, appended)
@@ -199,7 +199,7 @@ class SpecDecoder:
         one for nothing)."""
         sched, runner = self.sched, self.sched.runner
         first = ScheduleBatch(pass_.mode, pass_.seqs) if pass_.seqs else None
-        anyone, dp = sched.agree_phase(first)
+        anyone, dp = sched.collectives.agree_phase(first)
         if not anyone:
             return
         starts = list(itertools.accumulate((s.end - s.start for s in pass_.seqs), initial=0))
@@ -216,7 +216,7 @@ class SpecDecoder:
             if step:  # one more position: the last draft is its input token
                 steps = ScheduleBatch(ForwardMode.DECODE, [ScheduledSeq(r, r.seq_len - 2 + step, r.seq_len - 1 + step,
                                                                          tokens=[c[-1]]) for r, c in zip(reqs, chains)])
-                anyone, dp = sched.agree_phase(steps if reqs else None)
+                anyone, dp = sched.collectives.agree_phase(steps if reqs else None)
                 if not anyone:
                     break
                 logits, hidden = runner.forward_mtp(steps if reqs else None, hidden, dp)
@@ -234,7 +234,7 @@ class SpecDecoder:
                                  else draw(row, req.generator))
                 probs[k].append(row)
             # ranks that share the batch draft on from the same tokens: the leader's
-            chosen = sched.sample_sync(SampleOutput([c[-1] for c in chains], [None] * len(chains))).next_ids
+            chosen = sched.collectives.sample_sync(SampleOutput([c[-1] for c in chains], [None] * len(chains))).next_ids
             for chain, token in zip(chains, chosen):
                 chain[-1] = token
         for req, chain, q in zip(reqs, chains, probs):
@@ -247,7 +247,7 @@ class SpecDecoder:
 class Verdict:
     """What a verify step appends to each of its sequences, in order: tokens, their logprobs (None
     when not asked), and the chains that failed, by index, with why. The ranks of an attention-TP
-    group apply their leader's (``Scheduler.verdict_sync``), whatever their own draws."""
+    group apply their leader's (``Collectives.verdict_sync``), whatever their own draws."""
 
     tokens: list[list[int]]
     logprobs: list[list[TokenLogprob | None] | None]

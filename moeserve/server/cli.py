@@ -7,38 +7,7 @@ import os
 import sys
 from typing import Any
 
-
-def add_config_flags(p: argparse.ArgumentParser, names: set[str] | None = None,
-                     defaults: dict[str, Any] | None = None, classes: tuple[type, ...] | None = None) -> None:
-    """A flag for each config field declared as one (``config.flag``; the engine's sections unless
-    ``classes`` are given), or for those in ``names``; ``defaults`` replaces some defaults (a
-    benchmark's device, say)."""
-    from moeserve.config import config_flags
-
-    for name, kind, default, spec in config_flags(classes):
-        if names is not None and name not in names:
-            continue
-        default = (defaults or {}).get(name, default)
-        option = "--" + name.replace("_", "-")
-        if kind is bool:
-            p.add_argument(option, action="store_true", help=spec.help or None)
-            continue
-        shown = f" (default: {default})" if default is not None and "default" not in spec.help else ""
-        p.add_argument(option, type=kind, default=default, choices=spec.choices, help=(spec.help + shown) or None)
-
-
-def _add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    p.add_argument("--model-path", required=model_required,
-                   help="Hugging Face checkpoint folder" + ("" if model_required else
-                                                           " (default: the small chat model shipped in the package)"))
-    add_config_flags(p)
-
-
-def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The config flags ``args`` holds, as the keyword settings of ``build_engine_config``."""
-    from moeserve.config import config_flags
-
-    return {name: getattr(args, name) for name, *_ in config_flags() if hasattr(args, name)}
+from moeserve.flags import add_config_flags, add_engine_flags, engine_settings
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -61,6 +30,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from moeserve.scheduler.ranks import prestart_ranks
+
+    prestart_ranks(args.device)  # the ranks' imports, beside this process's own
     import logging
 
     from moeserve.config import ServerConfig, build_engine_config, config_flags
@@ -165,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline, in this process")
-    _add_engine_flags(gen)
+    add_engine_flags(gen)
     gen.add_argument("--prompt", action="append", help="a text prompt; repeat for a batch")
     gen.add_argument("--token-ids", default=None, help="a prompt as comma-separated token ids")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -177,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    _add_engine_flags(srv, model_required=False)
+    add_engine_flags(srv, model_required=False)
     from moeserve.config import ServerConfig
 
     add_config_flags(srv, classes=(ServerConfig,))

@@ -4,31 +4,8 @@ briefly with the serving benchmark, and shut everything down."""
 from __future__ import annotations
 
 import argparse
-import signal
-import subprocess
-import sys
-import time
-
-import httpx
 
 from moeserve.models.tiny_chat import held_out_prompts
-from moeserve.scheduler.ranks import free_port
-
-START_TIMEOUT_S = 300
-
-
-def _start_server(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "moeserve.server.cli", "serve", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("the demo server did not start; run `moeserve serve` to see why")
 
 
 def _chat(base_url: str) -> None:
@@ -83,17 +60,16 @@ def run_pd_demo() -> int:
 
 
 def run_demo() -> int:
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    print(f"starting `moeserve serve` (the shipped tiny DeepSeek-V3-architecture chat model) on {base_url} ...")
-    proc = _start_server(port)
+    from moeserve.server import procs
+
+    print("starting `moeserve serve` (the shipped tiny DeepSeek-V3-architecture chat model) ...")
+    server = procs.start("server", ["serve"])
     try:
-        print("chat through the openai client:")
-        _chat(base_url)
+        print(f"chat through the openai client at {server.url}:")
+        _chat(server.url)
         print("\na short serving benchmark (32 requests):")
-        _bench(base_url)
+        _bench(server.url)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
+        code = server.stop()
         print(f"\nserver stopped (exit code {code})")
     return 0

@@ -104,6 +104,9 @@ class EngineClient:
     It is also the DP controller: each request goes to one DP group, by round robin, to the
     group with the fewest outstanding tokens (prompt + tokens still to generate), or, with
     ``cache_aware``, to the group whose prefix cache likely holds its prompt (``prefix_routing``).
+
+    Its context and sockets belong to ``channel`` (a ``ServerSide``), which releases them, with
+    bounded waits, when it is garbage-collected or the interpreter exits; ``close()`` does it now.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, metrics: Metrics, addrs: RankAddresses,
@@ -332,6 +335,7 @@ class EngineClient:
             self._reader.cancel()
 
     def close(self) -> None:
+        """Close the sockets (a ``ShutdownInput`` just sent gets 100 ms to leave) and end the context."""
         for sock in self._to_engine:
             sock.close(linger=100)
-        self.channel.close([self._from_engine])
+        self.channel.close()

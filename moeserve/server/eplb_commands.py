@@ -10,7 +10,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from moeserve.server.cli import _add_engine_flags, engine_settings
+from moeserve.flags import add_config_flags, add_engine_flags, engine_settings
 
 if TYPE_CHECKING:
     import torch
@@ -84,11 +84,12 @@ def _check_eplb_plan_flags(args: argparse.Namespace, num_logical: int, num_group
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distribution", required=True, metavar="FILE",
                    help="an expert distribution (.json or .pt) a server dumped")
-    p.add_argument("--ep-size", type=int, required=True, help="EP ranks (GPUs) the experts spread over")
+    add_config_flags(p, {"ep_size", "nnodes"}, required={"ep_size"},
+                     helps={"ep_size": "EP ranks (GPUs) the experts spread over",
+                            "nnodes": "nodes; balancing is hierarchical (groups packed onto nodes) when the groups "
+                                      "divide over them"})
     p.add_argument("--redundant", type=int, default=0, help="physical expert slots beyond one per logical expert "
                                                             "(default: 0)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes; balancing is hierarchical (groups packed onto "
-                                                         "nodes) when the groups divide over them (default: 1)")
     p.add_argument("--num-groups", type=int, default=None, help="expert groups (default: the distribution's)")
     p.add_argument("--per-layer", action="store_true", help="also print each layer's balancedness")
     p.add_argument("--out", required=True, metavar="FILE", help="the placement to write (.json or .pt)")
@@ -262,7 +263,7 @@ def _write_eplb_outputs(args: argparse.Namespace, report: dict, plot: Any) -> No
 
 
 def add_record_args(p: argparse.ArgumentParser) -> None:
-    _add_engine_flags(p, model_required=False)
+    add_engine_flags(p, model_required=False)
     p.add_argument("--dataset", required=True, help="builtin (the shipped model's two tasks), builtin:addition, "
                                                     "builtin:reversal, or a file of prompts (.jsonl: one JSON "
                                                     "string or {prompt | messages} a line; else one a line)")

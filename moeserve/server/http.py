@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import json
+import os
 import signal
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,3 +64,21 @@ class SignalledServer(uvicorn.Server):
         finally:
             for sig, handler in originals.items():
                 signal.signal(sig, handler)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """An HTTP server's socket, bound before anything else starts: a taken port stops the launch at
+    once, and port 0 gets a free port that no other process can be handed meanwhile."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {host}:{port} ({exc}); choose another --port") from exc
+
+
+def write_port_file(path: str, ports: dict[str, int | None]) -> None:
+    """``ports`` as JSON at ``path``, whole or not at all (written aside, then renamed)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(ports, f)
+    os.replace(tmp, path)

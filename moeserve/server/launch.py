@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -16,12 +17,12 @@ from fastapi import FastAPI
 from moeserve.config import EngineConfig
 from moeserve.disagg.bootstrap import BootstrapService
 from moeserve.disagg.secret import ensure_secret, read_secret
-from moeserve.disagg.transfer.manager import bootstrap_token
+from moeserve.disagg.transfer.protocol import bootstrap_token
 from moeserve.models.tokenizer import load_tokenizer
 from moeserve.scheduler.ranks import RankAddresses, RankProcesses
 from moeserve.server.api import ServerConfig, ServerState, build_app
 from moeserve.server.engine_client import EngineClient
-from moeserve.server.http import SERVER_KEEP_ALIVE_S, SignalledServer
+from moeserve.server.http import SERVER_KEEP_ALIVE_S, SignalledServer, listen, write_port_file
 from moeserve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,10 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     addrs = RankAddresses.derive(par)
     if par.node_rank > 0:
         return _serve_ranks_only(engine_config, addrs)
+    listener = listen(server_config.host, server_config.port)
     bootstrap = _bootstrap_service(engine_config)
+    if bootstrap is not None:  # its ranks register at the port really bound (--disaggregation-bootstrap-port 0)
+        engine_config = _with_bootstrap_port(engine_config, bootstrap.sock.getsockname()[1])
     tokenizer = load_tokenizer(engine_config.load.tokenizer_path or engine_config.load.model_path)
     client = EngineClient(tokenizer, Metrics(server_config.served_model_name), addrs, par.load_balance_method,
                           route_by_room=disagg.disaggregation_mode == "prefill")
@@ -52,13 +56,14 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         try:
             info = ranks.wait_ready()
             state = ServerState(client, tokenizer, engine_config, server_config, kv_capacity=info["max_total_tokens"])
-            _http_server(state, ranks, bootstrap).run()
+            _http_server(state, ranks, bootstrap, listener).run(sockets=[listener])
         finally:
             _ignore_late_signals()
             ranks.stop()
     finally:
         client.close()
         addrs.cleanup()
+        listener.close()
         if bootstrap is not None:
             bootstrap.sock.close()
     return 1 if state is None or state.failure else 0
@@ -68,6 +73,10 @@ def _with_bootstrap_host(config: EngineConfig, host: str) -> EngineConfig:
     """This server's bootstrap server listens on its HTTP host (its ranks reach it there)."""
     reachable = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     return dataclasses.replace(config, disagg=dataclasses.replace(config.disagg, bootstrap_host=reachable))
+
+
+def _with_bootstrap_port(config: EngineConfig, port: int) -> EngineConfig:
+    return dataclasses.replace(config, disagg=dataclasses.replace(config.disagg, disaggregation_bootstrap_port=port))
 
 
 def _bootstrap_service(config: EngineConfig) -> BootstrapService | None:
@@ -108,7 +117,8 @@ def _ignore_late_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _http_server(state: ServerState, ranks: RankProcesses, bootstrap: BootstrapService | None) -> uvicorn.Server:
+def _http_server(state: ServerState, ranks: RankProcesses, bootstrap: BootstrapService | None,
+                 listener: socket.socket) -> uvicorn.Server:
     server: uvicorn.Server
 
     async def watchdog() -> None:
@@ -127,6 +137,10 @@ def _http_server(state: ServerState, ranks: RankProcesses, bootstrap: BootstrapS
         if bootstrap is not None:
             bootstrap.start()
         guard = asyncio.get_running_loop().create_task(watchdog())
+        if state.server.port_file:
+            write_port_file(state.server.port_file, {
+                "port": listener.getsockname()[1],
+                "bootstrap_port": bootstrap.sock.getsockname()[1] if bootstrap is not None else None})
         yield
         state.healthy = False
         guard.cancel()

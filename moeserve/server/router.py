@@ -49,6 +49,8 @@ from moeserve.server.http import (
     SignalledServer,
     error_body,
     error_json,
+    listen,
+    write_port_file,
 )
 
 logger = logging.getLogger(__name__)
@@ -688,7 +690,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help=f"a prefill server and its bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}); repeat")
     parser.add_argument("--decode", action="append", metavar="URL", help="a decode server; repeat")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="0: a free port, reported in --port-file")
+    parser.add_argument("--port-file", default=None,
+                        help='once listening, write {"port": ...} here as JSON (the port really bound)')
     parser.add_argument("--policy", default="round_robin", choices=POLICIES,
                         help="least_load: the server with the fewest requests the router has in flight there")
     parser.add_argument("--health-check-interval-s", type=float, default=5.0,
@@ -722,7 +726,13 @@ def run_router(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     prefill = ", ".join(f"{url} (bootstrap {port})" for url, port in config.prefill)
     logger.info("routing to prefill %s and decode %s (%s)", prefill, ", ".join(config.decode), config.policy)
+    listener = listen(config.host, config.port)
     uv = uvicorn.Config(build_router_app(config), host=config.host, port=config.port, log_level="info",
                         timeout_graceful_shutdown=5, timeout_keep_alive=SERVER_KEEP_ALIVE_S)
-    SignalledServer(uv).run()
+    if args.port_file:
+        write_port_file(args.port_file, {"port": listener.getsockname()[1]})
+    try:
+        SignalledServer(uv).run(sockets=[listener])
+    finally:
+        listener.close()
     return 0

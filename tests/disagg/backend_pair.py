@@ -74,7 +74,7 @@ def _decode(name: str, conn, written, read, device: str) -> None:
         backend = create_backend(name, bufs, "127.0.0.1")
         conn.send(("descriptor", backend.descriptor()))
         deadline = time.monotonic() + TIMEOUT_S
-        while not written.wait(0.002):  # as the manager's thread does, so the backend progresses
+        while not written.wait(0.002):  # as the transfer loop does, so the backend progresses
             backend.progress()
             assert time.monotonic() < deadline, "the prefill side never finished"
         conn.send(("buffers", [b.cpu() for b in bufs]))

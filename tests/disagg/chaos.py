@@ -58,7 +58,8 @@ def kill(p: procs.Proc) -> None:
 
 
 def bootstrap_port(p: procs.Proc) -> int:
-    return int(p.command[p.command.index("--disaggregation-bootstrap-port") + 1])
+    assert p.bootstrap_port is not None, f"{p.name} is not a prefill server"
+    return p.bootstrap_port
 
 
 def pages_used(p: procs.Proc) -> float:

@@ -15,7 +15,7 @@ from moeserve.config import build_engine_config
 from moeserve.core import BootstrapInfo, Req, SamplingParams
 from moeserve.disagg.bootstrap import BootstrapTable, build_bootstrap_app
 from moeserve.disagg.secret import ensure_secret, read_secret
-from moeserve.disagg.transfer.manager import bootstrap_token
+from moeserve.disagg.transfer.protocol import bootstrap_token
 from moeserve.distributed.groups import single
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.scheduler.roles import make_role
@@ -24,29 +24,26 @@ from moeserve.scheduler.scheduler import Scheduler
 ENGINE = {"dtype": "float32", "page_size": 4, "max_total_tokens": 1024, "chunked_prefill_size": 16}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def bootstrap_server(secret_file: str, world: int = 1) -> Iterator[tuple[int, BootstrapTable]]:
+    """A bootstrap server on a thread, and its port. The socket is bound here, to port 0, and
+    handed to uvicorn: a port picked first and bound later could be taken in between."""
     ensure_secret(secret_file)
     table = BootstrapTable(world)
-    port = free_port()
+    sock = socket.create_server(("127.0.0.1", 0))
     app = build_bootstrap_app(table, bootstrap_token(read_secret(secret_file)))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)
     try:
-        yield port, table
+        yield sock.getsockname()[1], table
     finally:
         server.should_exit = True
         thread.join(10)
+        sock.close()
 
 
 def pd_scheduler(model_path: str, mode: str, backend: str, bootstrap_port: int, secret_file: str,

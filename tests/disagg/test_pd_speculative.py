@@ -121,6 +121,7 @@ def test_a_pair_that_disagrees_on_speculation_is_refused(mtp_path, tmp_path):
         reqs = run_pair(prefill, decode, _prompts([6]), SamplingParams(max_tokens=4, temperature=0), port)
         assert reqs[0].finish_reason.value == "error"
         assert "num_layers" in reqs[0].finish_message and "num_drafts" in reqs[0].finish_message
+        assert prefill.abort("p0") is not None  # the router cancels the other leg when one fails
         settle(prefill, decode)
         assert prefill.pages.num_used == decode.pages.num_used == 0
     finally:

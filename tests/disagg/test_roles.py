@@ -53,13 +53,13 @@ def test_pd_queues_give_the_monolithic_tokens(pair, reference):
     for sched in (prefill, decode):
         assert sched.pages.num_used == 0 and sched.num_requests == 0 and sched.role.num_pending == 0
     assert prefill.role.aux.num_free == decode.role.aux.num_free == 4 * 256
-    stats = prefill.role.manager.stats
+    stats = prefill.role.kv_transfer.stats
     assert stats.transfers == {"success": 4, "failed": 0} and stats.bytes > 0
 
 
 def test_a_failed_write_fails_the_request_on_both_sides(pair):
     prefill, decode, port = pair
-    prefill.role.manager.backend.fail_writes = True
+    prefill.role.kv_transfer.backend.fail_writes = True
     reqs = run_pair(prefill, decode, _prompts([9]), GREEDY, port)
     settle(prefill, decode)
     assert reqs[0].finish_reason.value == "error" and "failed" in reqs[0].finish_message

@@ -4,7 +4,7 @@ each can compute its own reference and the tokens its experts must receive."""
 
 from __future__ import annotations
 
-import socket
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,19 +21,16 @@ DIM, INTER = 16, 8
 
 
 def run_world(world_size: int, fn: Callable[..., None], *args: object) -> None:
-    """Run ``fn(ep, *args)`` on ``world_size`` spawned gloo ranks; a failure on any rank raises here."""
-    mp.start_processes(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, start_method="spawn")
+    """Run ``fn(ep, *args)`` on ``world_size`` spawned gloo ranks; a failure on any rank raises here.
+    The ranks meet in a file store (no port to pick and hand over)."""
+    with tempfile.TemporaryDirectory(prefix="moeserve-ep-") as tmp:
+        mp.start_processes(_entry, args=(world_size, f"file://{tmp}/store", fn, args), nprocs=world_size,
+                           start_method="spawn")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+def _entry(rank: int, world_size: int, init_method: str, fn: Callable[..., None], args: tuple) -> None:
     torch.set_num_threads(1)  # the test machine's cores are shared by all ranks
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         fn(Group(dist.group.WORLD, rank, world_size, list(range(world_size))), *args)
     finally:

@@ -20,7 +20,6 @@ import torch.multiprocessing as mp
 
 from moeserve.distributed.ep_dispatch import TorchLowLatencyDispatcher
 from moeserve.distributed.groups import Group, init_world
-from moeserve.scheduler.ranks import free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,14 +31,15 @@ TOKENS = [CAPACITY, 23, 0, 5, 17, 1, 30, 9]  # tokens of rank r (r mod 8): full,
 REPLAYS = 5
 
 
-def test_low_latency_step_replays_in_cuda_graph():
+def test_low_latency_step_replays_in_cuda_graph(tmp_path):
     world = torch.cuda.device_count()
-    mp.start_processes(_rank_main, args=(world, free_port()), nprocs=world, start_method="spawn", daemon=True)
+    mp.start_processes(_rank_main, args=(world, f"file://{tmp_path}/store"), nprocs=world, start_method="spawn",
+                       daemon=True)
 
 
-def _rank_main(rank: int, world: int, port: int) -> None:
+def _rank_main(rank: int, world: int, init_method: str) -> None:
     try:
-        init_world(f"tcp://127.0.0.1:{port}", rank, world, "cuda", local_rank=rank)
+        init_world(init_method, rank, world, "cuda", local_rank=rank)
         host = dist.new_group(backend="gloo")
         _check_replays(Group(dist.group.WORLD, rank, world, list(range(world))))
         torch.cuda.synchronize()

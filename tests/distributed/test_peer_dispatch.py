@@ -26,6 +26,8 @@ from tests.distributed.peer_checks import (
 from tests.engine_utils import new_req, run_decode, run_extend
 from tests.kernels.interpreter import interpreted
 
+INTERPRETED = "tests.distributed.peer_checks:run_interpreted_checks"  # prefetched (tests/kernels/interpreter.py)
+
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -58,7 +60,7 @@ def test_bad_calls_are_refused() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, object]:
-    return interpreted("tests.distributed.peer_checks:run_interpreted_checks")
+    return interpreted(INTERPRETED)
 
 
 @pytest.mark.parametrize("name", list(INTERPRETER_CHECKS))

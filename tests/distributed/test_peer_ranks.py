@@ -19,7 +19,6 @@ import torch.multiprocessing as mp
 
 from moeserve.distributed.groups import Group, init_world
 from moeserve.distributed.peer_dispatch import PeerLayout, PeerLowLatencyDispatcher, symmetric_peer_memory
-from moeserve.scheduler.ranks import free_port
 from tests.distributed.peer_checks import World
 
 WORLD = torch.cuda.device_count()
@@ -30,13 +29,14 @@ E_LOCAL, TOP_K, DIM, CAP = 4, 4, 1024, 32
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_peer_dispatch_across_processes(fp8: bool) -> None:
-    mp.start_processes(_rank_main, args=(WORLD, free_port(), fp8), nprocs=WORLD, start_method="spawn", daemon=True)
+def test_peer_dispatch_across_processes(fp8: bool, tmp_path) -> None:
+    mp.start_processes(_rank_main, args=(WORLD, f"file://{tmp_path}/store", fp8), nprocs=WORLD, start_method="spawn",
+                       daemon=True)
 
 
-def _rank_main(rank: int, world: int, port: int, fp8: bool) -> None:
+def _rank_main(rank: int, world: int, init_method: str, fp8: bool) -> None:
     try:
-        init_world(f"tcp://127.0.0.1:{port}", rank, world, "cuda", local_rank=rank)
+        init_world(init_method, rank, world, "cuda", local_rank=rank)
         _check(Group(dist.group.WORLD, rank, world, list(range(world))), fp8)
         torch.cuda.synchronize()
         dist.barrier()

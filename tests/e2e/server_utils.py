@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,16 +18,16 @@ import httpx
 START_TIMEOUT_S = 120
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def free_port_run(n: int, attempts: int = 64) -> int:
-    """A port ``p`` such that ``p .. p+n-1`` can all be bound now (a multi-node launch takes a run)."""
+    """A port ``p`` such that ``p .. p+n-1`` can all be bound now (a multi-node launch takes a run).
+    Drawn below the kernel's ephemeral range, so that no socket bound to port 0 meanwhile (by any
+    process) can be handed one of them before the launch binds them."""
+    low, _ = _ephemeral_range()
+    rng = random.Random()
     for _ in range(attempts):
-        base = free_port()
+        base = rng.randrange(max(low - 12000, 1024), low - n)
+        if base <= 30000 < base + n:  # moeserve serve's default port
+            continue
         socks = []
         try:
             for port in range(base, base + n):
@@ -39,6 +41,15 @@ def free_port_run(n: int, attempts: int = 64) -> int:
                 s.close()
         return base
     raise RuntimeError(f"no run of {n} free ports in {attempts} tries")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = f.read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def descendants(pid: int) -> list[int]:
@@ -60,6 +71,16 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def rank_pids(pid: int) -> list[int]:
+    """The engine rank processes below ``pid`` (they name themselves ``moeserve-rankN``)."""
+    found = []
+    for child in descendants(pid):
+        with contextlib.suppress(OSError), open(f"/proc/{child}/comm") as f:
+            if f.read().startswith("moeserve-rank"):
+                found.append(child)
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -73,6 +94,7 @@ class Server:
     proc: subprocess.Popen
     port: int
     log_path: str
+    bootstrap_port: int | None = None  # a prefill server's bootstrap server
 
     @property
     def base_url(self) -> str:
@@ -96,22 +118,29 @@ class Server:
             raise
 
 
-def start_server(args: list[str], log_path: str) -> Server:
-    port = free_port()
-    log = open(log_path, "w")
-    cmd = [sys.executable, "-m", "moeserve.server.cli", "serve", "--port", str(port), *args]
+def start_server(args: list[str], log_path: str, port: int = 0) -> Server:
+    """``moeserve serve ARGS`` on ``port`` (0: a port the server binds itself and reports back in its
+    port file, so that no other process can take it in between), once ``/health`` answers 200."""
+    port_file = f"{log_path}.ports.json"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(port_file)
+    log = open(log_path, "w")  # noqa: SIM115 -- the child writes it
+    cmd = [sys.executable, "-m", "moeserve.server.cli", "serve", "--port", str(port), "--port-file", port_file, *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     server = Server(proc, port, log_path)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+        if server.port == 0 and os.path.exists(port_file):
+            with open(port_file) as f:
+                ports = json.load(f)
+            server.port, server.bootstrap_port = ports["port"], ports.get("bootstrap_port")
+        if server.port:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
+                    return server
+        time.sleep(0.1)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server not healthy after {START_TIMEOUT_S} s:\n{server.log()}")
 

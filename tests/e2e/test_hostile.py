@@ -4,6 +4,7 @@ not, and afterwards the server still answers as before with every KV page return
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pickle
@@ -11,9 +12,11 @@ import re
 import socket
 
 import httpx
+import openai
 import pytest
 import zmq
 
+from moeserve.models.tiny_chat import held_out_prompts, is_correct
 from moeserve.scheduler.channel import ChannelKeys, terminate
 from tests.e2e.server_utils import metric, start_server, wait_for
 
@@ -33,6 +36,24 @@ def server(tmp_path_factory):
 def answers(server) -> list[str]:
     """The server's greedy answers before anyone attacked it."""
     return [_chat(server, q, temperature=0).json()["choices"][0]["message"]["content"] for q in QUESTIONS]
+
+
+def test_embedded_model_answers_held_out_prompts(server):
+    """With no model given, ``moeserve serve`` serves the shipped chat model: it answers held-out
+    questions over HTTP (before anyone attacked it)."""
+    async def ask_all(items):
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
+        replies = await asyncio.gather(*(
+            client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": q}],
+                                           temperature=0, max_tokens=16) for q, _ in items))
+        await client.close()
+        return replies
+
+    items = held_out_prompts(100, seed=7)
+    replies = asyncio.run(ask_all(items))
+    correct = sum(is_correct(q, r.choices[0].message.content) for (q, _), r in zip(items, replies))
+    assert all(r.choices[0].finish_reason == "stop" for r in replies)  # the model ends its answers
+    assert correct >= 95, f"{correct}/100 correct"
 
 
 def _chat(server, question: str, **fields) -> httpx.Response:

@@ -18,8 +18,8 @@ from moeserve.models.tiny import make_tiny_model
 from tests.e2e.server_utils import metric, start_server, wait_for
 
 BURST = 512
-# About 3 ms a decode step on a 2-core CPU, so ~9 s: far longer than the 1 s queue timeout, and the
-# test checks that it was still running when the timed-out requests were answered
+# About 3 ms a decode step on a 2-core CPU, so ~9 s: far longer than the 1 s queue timeout; the test
+# checks that it was still running when the timed-out requests were answered, then its client leaves
 LONG_TOKENS = 3000
 TIMED_OUT = "the request waited more than 1.0 s in the queue (--queue-timeout)"
 
@@ -51,8 +51,10 @@ def test_a_burst_of_512_requests_is_queued_and_answered(model_path, tmp_path):
         assert srv.stop() == 0, srv.log()
 
 
-def _events(url: str, body: dict, first: threading.Event | None = None) -> list[tuple[float, str]]:
-    """Every ``data:`` payload of a streamed answer, with the time it arrived."""
+def _events(url: str, body: dict, first: threading.Event | None = None,
+            leave: threading.Event | None = None) -> list[tuple[float, str]]:
+    """Every ``data:`` payload of a streamed answer, with the time it arrived; the client leaves at
+    the first one after ``leave`` is set."""
     events = []
     with httpx.stream("POST", url, json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
@@ -61,6 +63,8 @@ def _events(url: str, body: dict, first: threading.Event | None = None) -> list[
                 events.append((time.monotonic(), line.removeprefix("data: ")))
                 if first is not None:
                     first.set()
+                if leave is not None and leave.is_set():
+                    break
     return events
 
 
@@ -76,14 +80,16 @@ def test_queue_timeout_ends_requests_that_could_not_start(model_path, tmp_path):
     short = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
     try:
         with ThreadPoolExecutor(3) as pool:
-            started = threading.Event()
+            started, answered = threading.Event(), threading.Event()
             long = pool.submit(_events, url, {"prompt": "hi", "max_tokens": LONG_TOKENS, "ignore_eos": True,
-                                              "stream": True}, started)
+                                              "stream": True}, started, answered)
             assert started.wait(60)  # it holds the only running place from here
             sent = time.monotonic()
             plain = pool.submit(_post, url, short)
             streamed = pool.submit(_events, url, {**short, "stream": True})
-            (refused_at, refused), stream_events, long_events = plain.result(), streamed.result(), long.result()
+            (refused_at, refused), stream_events = plain.result(), streamed.result()
+            answered.set()  # the long request's client leaves now: its abort frees the running place
+            long_events = long.result()
 
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"] == {"message": TIMED_OUT, "type": "server_error", "param": None, "code": 503}
@@ -92,10 +98,10 @@ def test_queue_timeout_ends_requests_that_could_not_start(model_path, tmp_path):
         assert json.loads(error)["error"]["message"] == TIMED_OUT and json.loads(error)["error"]["code"] == 503
         assert done == "[DONE]"
 
-        chunks = [json.loads(payload)["choices"][0] for _, payload in long_events[:-1]]
-        assert sum(len(c["token_ids"]) for c in chunks) == LONG_TOKENS and chunks[-1]["finish_reason"] == "length"
-        finished_at = long_events[-2][0]
-        assert finished_at > max(refused_at, error_at), "the long request ended before the timeout fired"
+        # the long request was still running when both were answered: it never finished
+        chunks = [json.loads(payload)["choices"][0] for _, payload in long_events]
+        assert all(c["finish_reason"] is None for c in chunks), "the long request ended before the timeout fired"
+        assert long_events[-1][0] > max(refused_at, error_at)
 
         assert wait_for(lambda: metric(srv.base_url, "moeserve:kv_pages_used") == 0)
         again = httpx.post(url, json=short, timeout=60)

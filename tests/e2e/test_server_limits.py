@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from moeserve.models.tiny import make_tiny_model
-from tests.e2e.server_utils import alive, descendants, metric, start_server, wait_for
+from tests.e2e.server_utils import alive, descendants, metric, rank_pids, start_server, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_engine_death_makes_the_server_unhealthy_and_exit(model_path, tmp_path):
     srv = start_server(["--model-path", model_path, "--max-total-tokens", "4096"], str(tmp_path / "log"))
     tree = descendants(srv.proc.pid)
     try:
-        engines = [pid for pid in tree if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        engines = rank_pids(srv.proc.pid)
         assert len(engines) == 1, tree
         body = {"prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
         whole = {**body, "stream": False}

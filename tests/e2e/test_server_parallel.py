@@ -12,7 +12,7 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.models.tiny import make_tiny_model
-from tests.e2e.server_utils import alive, descendants, free_port_run, start_server, tcp_listeners, wait_for
+from tests.e2e.server_utils import alive, descendants, free_port_run, rank_pids, start_server, tcp_listeners, wait_for
 
 PROMPTS = ["The capital of", "abc", "Once upon a time there was", "zz"]
 
@@ -95,7 +95,7 @@ def test_a_dying_rank_takes_the_server_down_cleanly(model_path, tmp_path):
                        str(tmp_path / "log"))
     tree = descendants(srv.proc.pid)
     try:
-        ranks = [pid for pid in tree if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        ranks = rank_pids(srv.proc.pid)
         assert len(ranks) == 2
         os.kill(max(ranks), signal.SIGKILL)  # rank 1, not the one talking to the API
         assert srv.proc.wait(30) == 1, srv.log()

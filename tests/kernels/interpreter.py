@@ -7,10 +7,12 @@ inputs float16 / float32 / float8 there: the interpreter's bf16 loads are unreli
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -43,18 +45,50 @@ def report(results: dict[str, object]) -> None:
     print(MARK + json.dumps(results), flush=True)
 
 
+_RUNS: dict[str, tuple[subprocess.Popen, Path]] = {}  # entry -> its subprocess and output file
+TIMEOUT_S = 600
+
+
+def prefetch(entry: str) -> None:
+    """Start ``entry``'s interpreter subprocess now, in the background (``tests/conftest.py`` does so
+    for every selected module at the session's start): it is one core's work for a minute, which
+    overlaps the tests that wait on servers."""
+    if entry in _RUNS or importlib.util.find_spec("triton") is None:
+        return
+    module, function = entry.split(":")
+    out = Path(tempfile.mkstemp(prefix="interpreted-", suffix=".log")[1])
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", f"from {module} import {function}; {function}()"], cwd=REPO,
+                                env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=f, stderr=subprocess.STDOUT)
+    _RUNS[entry] = (proc, out)
+
+
 def interpreted(entry: str) -> dict[str, object]:
     """Run ``entry`` (``"module:function"``, a function that calls ``report``) in a subprocess
-    with the interpreter on; return what it reported. Skips where Triton is not installed."""
+    with the interpreter on (or take the run ``prefetch`` started); return what it reported. Skips
+    where Triton is not installed."""
     pytest.importorskip("triton")
-    module, function = entry.split(":")
-    code = f"from {module} import {function}; {function}()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    prefetch(entry)
+    proc, out = _RUNS[entry]
+    try:
+        proc.wait(TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    text = out.read_text()
+    lines = [line for line in text.splitlines() if line.startswith(MARK)]
+    assert proc.returncode == 0 and lines, f"interpreter run failed (exit {proc.returncode}):\n{text[-6000:]}"
     return json.loads(lines[-1][len(MARK):])
+
+
+def stop_prefetched() -> None:
+    """End the runs nobody waited for (their tests were deselected or the session stopped early)."""
+    for proc, out in _RUNS.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.unlink(missing_ok=True)
+    _RUNS.clear()
 
 
 def run_checks(checks: dict[str, Callable[[], None]]) -> None:

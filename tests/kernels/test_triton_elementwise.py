@@ -19,6 +19,8 @@ from moeserve.kernels.routing import select_experts_ref
 from tests.kernels.accuracy import REL_TOL, poison_allocator, rel_error
 from tests.kernels.interpreter import interpreted, run_checks
 
+INTERPRETED = "tests.kernels.test_triton_elementwise:run_interpreted_checks"  # prefetched (tests/kernels/interpreter.py)
+
 
 def _rows(n_rows: int, dim: int, pad: int, dtype: torch.dtype, device: str, scale: float = 1.0) -> torch.Tensor:
     """``[n_rows, dim]``, a row-strided view when ``pad`` > 0 (like MLA's latent split)."""
@@ -392,7 +394,7 @@ def run_interpreted_checks() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, object]:
-    return interpreted("tests.kernels.test_triton_elementwise:run_interpreted_checks")
+    return interpreted(INTERPRETED)
 
 
 @pytest.mark.parametrize("name", list(INTERPRETED_CHECKS))

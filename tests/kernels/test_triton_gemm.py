@@ -20,6 +20,8 @@ from moeserve.kernels.fp8 import block_quant_fp8, fp8_block_gemm, fp8_block_gemm
 from moeserve.kernels.grouped_gemm import grouped_gemm_contiguous_ref, grouped_gemm_masked_ref
 from tests.kernels.interpreter import fix_interpreter_scalars, interpreted, report
 
+INTERPRETED = "tests.kernels.test_triton_gemm:_interpreter_main"  # prefetched (tests/kernels/interpreter.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -214,7 +216,7 @@ _INTERPRETER_CASES = [
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, object]:
-    return interpreted("tests.kernels.test_triton_gemm:_interpreter_main")
+    return interpreted(INTERPRETED)
 
 
 @pytest.mark.parametrize("name, tol", _INTERPRETER_CASES)
@@ -551,7 +553,7 @@ def test_gpu_gluon_cuda_graph_replays_new_segments() -> None:
     from moeserve.kernels.triton import gemm as tg
 
     x, w, seg, xs, ws = _gpu_contiguous_inputs(3, 400, 512, 1024, True, torch.bfloat16, seed=5)
-    run = lambda: tg.grouped_gemm_contiguous(x, w, seg, xs, ws)  # noqa: E731 - 400 rows an expert: Gluon
+    run = lambda: tg.grouped_gemm_contiguous(x, w, seg, xs, ws)
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -18,6 +18,8 @@ from moeserve.kernels.mla import extend_attention_ref, mla_decode_ref, mla_verif
 from tests.kernels.accuracy import REL_TOL, poison_allocator, rel_error
 from tests.kernels.interpreter import interpreted, run_checks
 
+INTERPRETED = "tests.kernels.test_triton_mla:run_interpreted_checks"  # prefetched (tests/kernels/interpreter.py)
+
 
 def _scattered_slots(lens: list[int], page_size: int, spare_pages: int = 3) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(kv_indptr [B+1], kv_indices [total], num_slots)``: each sequence on whole pages taken in
@@ -555,7 +557,7 @@ def run_interpreted_checks() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, object]:
-    return interpreted("tests.kernels.test_triton_mla:run_interpreted_checks")
+    return interpreted(INTERPRETED)
 
 
 @pytest.mark.parametrize("name", list(INTERPRETED_CHECKS))

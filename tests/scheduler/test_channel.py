@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
 import zmq
 
-from moeserve.scheduler.channel import ChannelKeys, ServerSide, connect
+from moeserve.scheduler.channel import ChannelKeys, ServerSide, connect, terminate
 
 
 @pytest.fixture
@@ -63,3 +64,29 @@ def test_keys_from_a_secret_are_the_same_everywhere():
     assert ChannelKeys.from_secret(secret) != ChannelKeys.from_secret(os.urandom(32))
     keys = ChannelKeys.from_secret(secret)
     assert zmq.curve_public(keys.client_secret) == keys.client_public
+
+
+def test_a_dropped_server_side_closes_its_sockets_handler_and_context(tmp_path):
+    keys, ctx, rank_ctx = ChannelKeys.generate(), zmq.Context(), zmq.Context()
+    side = ServerSide(ctx, keys)
+    addr = f"ipc://{tmp_path}/out"
+    pull = side.bind(zmq.PULL, addr)
+    rank = connect(rank_ctx, zmq.PUSH, addr, keys)
+    rank.send(b"hello")
+    assert pull.recv() == b"hello"  # a peer past the handshake, its connection open
+    handler = side._auth.thread
+    del side
+    gc.collect()
+    try:
+        assert pull.closed and not handler.is_alive() and ctx.closed
+    finally:
+        rank.close(linger=0)
+        terminate(rank_ctx)
+
+
+def test_close_twice_is_fine():
+    ctx = zmq.Context()
+    side = ServerSide(ctx, ChannelKeys.generate())
+    sock = side.bind(zmq.PUSH, "inproc://out")
+    assert side.close() and sock.closed and ctx.closed
+    assert side.close()

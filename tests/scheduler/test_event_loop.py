@@ -27,7 +27,12 @@ def _worker(rank: int, store: str, model_path: str, results: mp.Queue) -> None:
         outputs: list = []
         if loop.is_leader:
             loop._receive = _script(outputs)
-            loop._send = lambda msg: outputs.extend(msg.outputs if isinstance(msg, TokenBatch) else [])
+
+            def send(msg: object, wait: bool = True) -> bool:
+                outputs.extend(msg.outputs if isinstance(msg, TokenBatch) else [])
+                return True
+
+            loop._send = send
         loop.run()
         finished = sorted(o.rid for o in outputs if o.finish_reason is not None)
         results.put((rank, len(loop._sent), len(loop.scheduler.requests), loop.scheduler.pages.num_used,

@@ -1,12 +1,18 @@
 """Where engine ranks listen: a private directory on one node, the operator's host across nodes."""
 
+import gc
+import multiprocessing as mp
 import os
+import pickle
+import signal
 import stat
+import time
+from multiprocessing.synchronize import Event
 
 import pytest
 
 from moeserve.config import ParallelConfig
-from moeserve.scheduler.ranks import RankAddresses
+from moeserve.scheduler.ranks import RankAddresses, stop_ranks
 
 
 def test_one_node_uses_ipc_in_a_private_directory():
@@ -23,6 +29,45 @@ def test_one_node_uses_ipc_in_a_private_directory():
     finally:
         addrs.cleanup()
     assert not os.path.exists(addrs.run_dir)
+
+
+def test_the_run_dir_goes_with_its_addresses_not_with_a_rank_s_copy():
+    addrs = RankAddresses.derive(ParallelConfig(tp_size=2))
+    run_dir = addrs.run_dir
+    copy = pickle.loads(pickle.dumps(addrs))  # what a spawned rank receives
+    assert copy == addrs
+    del copy
+    gc.collect()
+    assert os.path.isdir(run_dir)
+    del addrs
+    gc.collect()
+    assert not os.path.exists(run_dir)
+
+
+def _ignore_sigterm_and_sleep(ignoring: Event) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignoring.set()
+    time.sleep(120)
+
+
+def test_stop_ranks_terminates_then_kills_within_its_bound():
+    ctx = mp.get_context("spawn")
+    ignoring = ctx.Event()
+    procs = [ctx.Process(target=time.sleep, args=(120,), daemon=True),
+             ctx.Process(target=_ignore_sigterm_and_sleep, args=(ignoring,), daemon=True)]
+    for proc in procs:
+        proc.start()
+    try:
+        stop_ranks(procs, [], 0.5, owner_pid=-1)  # a forked child's copy of the finalizer: nothing
+        assert all(proc.is_alive() for proc in procs)
+        assert ignoring.wait(120)
+        start = time.monotonic()
+        stop_ranks(procs, [], 0.5, owner_pid=os.getpid())
+        assert time.monotonic() - start < 3
+        assert [proc.exitcode for proc in procs] == [-signal.SIGTERM, -signal.SIGKILL]
+    finally:
+        for proc in procs:
+            proc.kill()
 
 
 def test_several_nodes_derive_ports_on_the_chosen_host_and_keys_from_the_secret(tmp_path):

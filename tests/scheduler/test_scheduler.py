@@ -7,6 +7,7 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.core import FinishReason
+from moeserve.scheduler.scheduler import LocalCollectives, Scheduler
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -180,17 +181,17 @@ def test_vanishing_temperature_means_greedy():
     assert not SamplingParams(temperature=0.01).greedy
 
 
-def _fake_clock(llm: LLM) -> list[float]:
+def _fake_clock(sched: Scheduler) -> list[float]:
     """The prefill queue's clock, set by the test: ``now[0]`` seconds."""
     now = [0.0]
-    llm.scheduler.prefill.clock = lambda: now[0]
+    sched.prefill.clock = lambda: now[0]
     return now
 
 
 def test_queue_timeout_fails_requests_never_started_but_not_one_prefilling(v3_path, reference):
     llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=512, chunked_prefill_size=8,
               max_running_requests=1, queue_timeout=5.0)
-    sched, now, prompts = llm.scheduler, _fake_clock(llm), _prompts([12, 30, 7, 19, 25, 10])
+    sched, now, prompts = llm.scheduler, _fake_clock(llm.scheduler), _prompts([12, 30, 7, 19, 25, 10])
     first = sched.add_request("q0", prompts[1], GREEDY)  # 30 tokens: four chunks of 8
     sched.step()
     now[0] = 4.0
@@ -210,7 +211,7 @@ def test_queue_timeout_fails_requests_never_started_but_not_one_prefilling(v3_pa
 def test_queue_timeout_spares_retracted_requests(v3_path, reference):
     # 64 slots cannot hold six requests at once: decode retracts some, which queue again, first in line
     llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=64, chunked_prefill_size=16, queue_timeout=5.0)
-    sched, now = llm.scheduler, _fake_clock(llm)
+    sched, now = llm.scheduler, _fake_clock(llm.scheduler)
     reqs = [sched.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(_prompts([12, 30, 7, 19, 25, 10]))]
     while sched.decode.retracted == 0:
         sched.step()
@@ -228,28 +229,37 @@ def test_queue_timeout_spares_retracted_requests(v3_path, reference):
     assert sched.pages.num_used == 0
 
 
+class _LaggingPeer(LocalCollectives):
+    """An attention-TP group whose other rank's clock is behind: nothing is overdue there until
+    ``caught_up``."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+        self.caught_up = False
+
+    def tp_min(self, values: list[int]) -> list[int]:
+        self.calls.append(list(values))
+        return values if self.caught_up else [0] * len(values)
+
+
 def test_queue_timeout_waits_for_the_tp_group_to_agree(v3_path):
     llm = LLM(v3_path, dtype="float32", page_size=4, max_total_tokens=512, max_running_requests=1, queue_timeout=1.0)
-    sched, now, calls = llm.scheduler, _fake_clock(llm), []
-
-    def peer_disagrees(values: list[int]) -> list[int]:  # a peer whose clock is behind: nothing overdue yet
-        calls.append(list(values))
-        return [0] * len(values)
-
-    sched.tp_min = peer_disagrees
+    peer = _LaggingPeer()
+    sched = Scheduler(llm.scheduler.config, llm.runner, llm.tokenizer, collectives=peer)
+    now = _fake_clock(sched)
     running, waiting = (sched.add_request(f"t{i}", p, GREEDY) for i, p in enumerate(_prompts([12, 7])))
     sched.step()
     now[0] = 3.0
     sched.step()
-    assert calls == [[0, 0], [1]] and not waiting.finished  # overdue here, not yet on the peer
-    sched.tp_min = lambda values: values  # the peer agrees
+    assert peer.calls == [[0, 0], [1]] and not waiting.finished  # overdue here, not yet on the peer
+    peer.caught_up = True
     sched.step()
     assert waiting.finish_reason is FinishReason.ERROR and not running.finished
 
 
 def test_offline_generate_ends_timed_out_requests_with_an_error(v3_path, reference, monkeypatch):
     llm = LLM(v3_path, dtype="float32", max_total_tokens=512, max_running_requests=1, queue_timeout=2.5)
-    now, forward = _fake_clock(llm), llm.scheduler.runner.forward
+    now, forward = _fake_clock(llm.scheduler), llm.scheduler.runner.forward
 
     def one_second_each(*args, **kwargs):
         now[0] += 1.0

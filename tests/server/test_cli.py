@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from moeserve.models.tiny import make_tiny_model
@@ -66,3 +68,62 @@ def test_page_size_defaults_by_device(tmp_path):
         sizes[(device, *flags)] = build_engine_config(args.model_path, **engine_settings(args)).cache.page_size
     assert sizes == {("cpu",): 16, ("cuda",): 64, ("cuda", "--page-size", "16"): 16, ("cpu", "--page-size", "8"): 8}
     assert build_engine_config(out, device="cuda").cache.page_size == 64  # the offline LLM's path
+
+
+def _commands(parser, path=()):
+    """Every command's parser, by its words (``("bench", "rank")``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*path, name))
+    yield path, parser
+
+
+# flags named as an engine flag that mean something else to their command: a benchmark of the
+# communication or transfer layer alone (no engine), a sweep over EP sizes
+NOT_ENGINE_FLAGS = {("bench", "dispatch"): {"device", "dtype"}, ("bench", "transfer"): {"device"},
+                    ("eplb", "simulate"): {"ep_size"}, ("eplb", "drift"): {"ep_size"}}
+
+
+def test_every_engine_flag_is_built_from_its_config_field():
+    """No command declares an engine flag by hand: wherever one appears it has its field's type and
+    choices (``none`` added where a command's default leaves the field's None)."""
+    from moeserve.config import config_flags
+    from moeserve.server.cli import build_parser
+
+    fields = {name: (kind, spec) for name, kind, _, spec in config_flags()}
+    checked = set()
+    for path, parser in _commands(build_parser()):
+        for action in parser._actions:
+            if action.dest not in fields or action.dest in NOT_ENGINE_FLAGS.get(path, ()):
+                continue
+            kind, spec = fields[action.dest]
+            assert action.option_strings == ["--" + action.dest.replace("_", "-")], (path, action.dest)
+            if kind is bool:
+                assert isinstance(action, argparse._StoreTrueAction), (path, action.dest)
+            else:
+                assert action.type is kind, (path, action.dest)
+                choices = tuple(action.choices) if action.choices is not None else None
+                assert choices in (spec.choices, (*(spec.choices or ()), "none")), (path, action.dest)
+            checked.add(path)
+    assert {("plan",), ("bench", "rank"), ("bench", "deployment"), ("eplb", "plan")} <= checked
+
+
+def test_a_command_default_keeps_the_field_default_reachable():
+    from moeserve.server.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["bench", "deployment"]).quantization == "fp8"  # the reference deployment's
+    assert parse(["bench", "deployment", "--quantization", "none"]).quantization is None
+    assert parse(["bench", "rank", "--role", "decode", "--ep-size", "8"]).quantization is None
+    with pytest.raises(SystemExit):
+        parse(["bench", "rank", "--role", "decode", "--ep-size", "8", "--quantization", "none"])
+    plan = parse(["plan", "--preset", "dsv3", "--world", "8"])
+    assert (plan.tp_size, plan.dp_size, plan.max_dispatch_tokens_per_rank) == (None, None, None)  # from --world
+
+
+def test_config_flags_refuse_names_that_are_not_fields():
+    from moeserve.flags import add_config_flags
+
+    with pytest.raises(ValueError, match="ep_sizes"):
+        add_config_flags(argparse.ArgumentParser(), {"ep_sizes"})

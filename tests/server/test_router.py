@@ -864,17 +864,17 @@ def test_circuit_breaker_args_and_config_checks(capsys):
             RouterConfig(**{**good, field: value})
 
 
-def test_run_router_serves_until_sigterm_then_exits_0(cluster):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_run_router_serves_until_sigterm_then_exits_0(cluster, tmp_path):
     script = ("import argparse, sys\nfrom moeserve.server.router import add_router_args, run_router\n"
               "parser = argparse.ArgumentParser()\nadd_router_args(parser)\n"
               "sys.exit(run_router(parser.parse_args(sys.argv[1:])))")
+    port_file = tmp_path / "ports.json"
     proc = subprocess.Popen([sys.executable, "-c", script, "--pd-disaggregation", "--prefill", cluster.dead_url(),
-                             "--decode", cluster.dead_url(), "--port", str(port)],
+                             "--decode", cluster.dead_url(), "--port", "0", "--port-file", str(port_file)],
                             cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
+        _until(lambda: proc.poll() is not None or port_file.exists(), "the router process to bind", timeout=60)
+        port = json.loads(port_file.read_text())["port"]
         _until(lambda: proc.poll() is not None or _answers(f"http://127.0.0.1:{port}/health"),
                "the router process to listen", timeout=60)
         assert proc.poll() is None

@@ -1,2 +1,4 @@
-"""KV transfer between a prefill rank and a decode rank: a control protocol over an authenticated
-side channel (``manager.py``) and pluggable data paths (``base.TransferBackend``)."""
+"""KV transfer between a prefill rank and a decode rank: a control protocol (``protocol.py``) over
+an authenticated side channel, run by one loop per rank (``loop.py``) for its side
+(``prefill.PrefillTransfer`` or ``decode.DecodeTransfer``), and pluggable data paths
+(``base.TransferBackend``)."""

@@ -71,7 +71,7 @@ class TransferBackend(ABC):
         decode side may reuse the pages when it hears of the failure."""
 
     def progress(self) -> None:
-        """Called every few milliseconds by the manager's thread, on both sides: a backend with no
+        """Called every few milliseconds by the transfer loop's thread, on both sides: a backend with no
         progress thread of its own advances its transfers and connection set-ups here."""
 
     def disconnect(self, peer: str) -> None:

@@ -17,7 +17,7 @@ import logging
 import queue
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +28,10 @@ from moeserve.disagg.transfer.base import KVPoll, Piece, TransferBackend
 
 logger = logging.getLogger(__name__)
 GROUP_TIMEOUT_S = 120  # a peer that stops answering fails its transfers after this long
+# A decode rank's wait for a prefill peer's next write: quiet hours are normal, and a peer that dies
+# closes the connection (the wait ends at once); a timeout here would end a healthy pair
+IDLE_TIMEOUT_S = 7 * 24 * 3600
+DIAL_TIMEOUT_S = 10  # a decode rank's store that does not answer a new pair's dial within this is gone
 ACCEPT_POLL_S = 0.01
 _TAG = 7
 
@@ -45,10 +49,17 @@ class _Write:
 
 class _Peer:
     """A prefill rank's link to one decode rank: the pair's group and a thread that sends the
-    queued writes in order (gloo completes a send only inside ``wait``, so someone must wait)."""
+    queued writes in order (gloo completes a send only inside ``wait``, so someone must wait).
 
-    def __init__(self, group: dist.ProcessGroup, byte_views: list[torch.Tensor]) -> None:
-        self.group, self.bytes = group, byte_views
+    A send that fails fails its write and those queued behind it; the thread then dials the pair
+    anew (``dial``), so that a connection lost once does not fail every later room of the pair.
+    Writes queued meanwhile wait for it (the transfer timeout bounds them); when the dial fails
+    too, the decode rank is gone and the link is dead: later writes fail at once. Nothing here
+    blocks the caller of ``write``."""
+
+    def __init__(self, dial: Callable[[], dist.ProcessGroup], byte_views: list[torch.Tensor]) -> None:
+        self.dial, self.group, self.bytes = dial, dial(), byte_views
+        self.dialling = False
         self.queue: queue.Queue[_Write | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, daemon=True, name="kv-torch-send")
         self.thread.start()
@@ -62,7 +73,21 @@ class _Peer:
                 logger.warning("a transfer failed: %s", exc)
                 write.state = KVPoll.Failed
                 self._fail_queued()
-                return
+                if not self._redial():
+                    self._fail_queued()
+                    return
+
+    def _redial(self) -> bool:
+        self.dialling = True
+        try:
+            self.group = self.dial()
+        except RuntimeError as exc:  # the decode rank is gone: the heartbeat and timeouts deal with it
+            logger.warning("could not reconnect to a decode rank: %s", exc)
+            return False
+        finally:
+            self.dialling = False
+        logger.info("reconnected to a decode rank whose pair had broken")
+        return True
 
     def _send(self, pieces: list[Piece]) -> None:
         meta = torch.tensor([[p.buffer, p.dst, p.length] for p in pieces], dtype=torch.int64).view(-1)
@@ -122,12 +147,17 @@ class TorchBackend(TransferBackend):
             while self._store.add("peers", 0) <= k:
                 if self._closed.wait(ACCEPT_POLL_S):
                     return
-            group = _pair_group(self._store, k, rank=1)
-            self._inbound.append(group)
-            self._spawn(self._receive_from, group)
+            self._spawn(self._receive_from, k)
 
-    def _receive_from(self, group: dist.ProcessGroup) -> None:
-        """Header, packed bytes, scatter, acknowledge; until the peer goes away."""
+    def _receive_from(self, k: int) -> None:
+        """Join pair ``k``'s group (in this peer's own thread: a peer that died before joining blocks
+        no other), then header, packed bytes, scatter, acknowledge; until the peer goes away."""
+        try:
+            group = _pair_group(self._store, k, rank=1, timeout_s=IDLE_TIMEOUT_S)
+        except RuntimeError as exc:
+            logger.info("a prefill peer never joined its transfer group: %s", exc)
+            return
+        self._inbound.append(group)
         while not self._closed.is_set():
             try:
                 count = torch.empty(1, dtype=torch.int64)
@@ -157,10 +187,13 @@ class TorchBackend(TransferBackend):
         if ipc and ipc["machine"] == _machine_id() and all(b.is_cuda for b in self.buffers):
             self._ipc[peer] = _IpcPeer([_open_ipc(h) for h in ipc["buffers"]], self.buffers[0].device)
             return
-        store = dist.TCPStore(descriptor["store_host"], int(descriptor["store_port"]), None, False,
-                              timedelta(seconds=GROUP_TIMEOUT_S))
-        k = store.add("peers", 1) - 1
-        self._peers[peer] = _Peer(_pair_group(store, k, rank=0), self._bytes)
+        def dial() -> dist.ProcessGroup:  # a new pair with the decode rank: it accepts any number
+            store = dist.TCPStore(descriptor["store_host"], int(descriptor["store_port"]), None, False,
+                                  timedelta(seconds=DIAL_TIMEOUT_S))
+            k = store.add("peers", 1) - 1
+            return _pair_group(store, k, rank=0, timeout_s=GROUP_TIMEOUT_S)
+
+        self._peers[peer] = _Peer(dial, self._bytes)
 
     def write(self, peer: str, pieces: list[Piece]) -> object:
         if peer in self._ipc:
@@ -185,7 +218,8 @@ class TorchBackend(TransferBackend):
         if link is not None:
             link.stop()
             _abort(link.group)
-            link.thread.join(timeout=5)
+            if not link.dialling:  # a dial cannot be cut short; its thread ends when the dial does
+                link.thread.join(timeout=5)
 
     def close(self) -> None:
         """Stop every thread: a gloo call still blocked when the process exits would abort it."""
@@ -243,10 +277,11 @@ def _abort(group: dist.ProcessGroup) -> None:
         abort()
 
 
-def _pair_group(store: dist.Store, k: int, rank: int) -> dist.ProcessGroup:
-    """The two-rank gloo group of pair ``k`` (prefill rank 0, decode rank 1), outside any world."""
+def _pair_group(store: dist.Store, k: int, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    """The two-rank gloo group of pair ``k`` (prefill rank 0, decode rank 1), outside any world;
+    each side's operations give up after its own ``timeout_s``."""
     prefixed = dist.PrefixStore(f"pair/{k}", store)
-    return dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=GROUP_TIMEOUT_S))
+    return dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=timeout_s))
 
 
 def _merged(pieces: list[Piece]) -> list[Piece]:
