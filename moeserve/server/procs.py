@@ -35,13 +35,7 @@ class Proc:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self, timeout_s: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_all([self], timeout_s)[0]
 
 
 def start(name: str, command: Sequence[str], log_dir: str | None = None, port: int = 0,
@@ -134,14 +128,31 @@ def restart(p: Proc, log_dir: str | None = None) -> Proc:
     return start(p.name, command, log_dir or (os.path.dirname(p.log_path) if p.log_path else None), p.port, p.env)
 
 
+def stop_all(procs: Sequence[Proc], timeout_s: float = 60) -> list[int]:
+    """SIGTERM to every process still running, all at once (each shuts down in seconds: one after
+    another, a deployment's took the sum), then each waited for within ``timeout_s`` of the signal
+    and killed past it. Their exit codes, in order."""
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.proc.wait(max(deadline - time.monotonic(), 0)))
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            codes.append(p.proc.wait())
+    return codes
+
+
 @contextlib.contextmanager
 def running(procs: list[Proc]) -> Iterator[list[Proc]]:
-    """Stop every process on the way out, the last started first."""
+    """Stop every process on the way out."""
     try:
         yield procs
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stop_all(procs)
 
 
 def pd_deployment(model_args: Sequence[str], prefill_args: Sequence[str], decode_args: Sequence[str],

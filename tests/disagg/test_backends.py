@@ -109,10 +109,13 @@ def _serve_decode_side(conn) -> None:
     time.sleep(600)
 
 
-def test_writes_to_a_dead_decode_rank_never_block_the_caller():
+def test_writes_to_a_dead_decode_rank_never_block_the_caller(monkeypatch):
     """The transfer loop alone calls ``write``: a decode rank that died must fail its writes, not hold
     the loop while the link dials it again (a killed decode server once stalled every room of its
     prefill server for the dial's whole timeout)."""
+    from moeserve.disagg.transfer import torch_p2p
+
+    monkeypatch.setattr(torch_p2p, "DIAL_TIMEOUT_S", 1)  # the writes behind the failed one wait for the dial
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     decode = ctx.Process(target=_serve_decode_side, args=(child,), daemon=True)
