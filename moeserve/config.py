@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 ROUTERS = ("noaux_tc", "greedy", "group_limited_greedy")
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -105,8 +106,16 @@ class ModelConfig:
     checkpoint_dtype: str = "bfloat16"
     fp8_block: tuple[int, int] | None = None
     num_mtp_layers: int = 0
+    # DeepSeek-V3.2's sparse attention (DSA): each query attends to the ``index_topk`` earlier tokens
+    # its layer's indexer scores highest (0: dense MLA, V2/V3)
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
 
     def __post_init__(self) -> None:
+        if self.index_topk and (self.index_n_heads < 1 or self.index_head_dim < self.qk_rope_head_dim):
+            raise ValueError(f"index_n_heads ({self.index_n_heads}) must be >= 1 and index_head_dim "
+                             f"({self.index_head_dim}) >= qk_rope_head_dim ({self.qk_rope_head_dim})")
         if self.router not in ROUTERS:
             raise ValueError(f"topk_method {self.router!r} is not supported; expected one of {ROUTERS}")
         if self.n_routed_experts % max(self.n_group, 1):
@@ -122,6 +131,11 @@ class ModelConfig:
     def kv_cache_dim(self) -> int:
         """Values cached per token per layer: the latent plus the shared rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def cache_row_dim(self) -> int:
+        """Values cached per token per layer: ``kv_cache_dim``, then V3.2's index key."""
+        return self.kv_cache_dim + (self.index_head_dim if self.index_topk else 0)
 
     @property
     def softmax_scale(self) -> float:
@@ -142,9 +156,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type", "deepseek_v3")
-        if model_type not in ("deepseek_v2", "deepseek_v3"):
-            raise ValueError(f"model_type {model_type!r} is not a DeepSeek V2/V3 model")
-        v3 = model_type == "deepseek_v3"
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not a DeepSeek V2/V3/V3.2 model; "
+                             f"expected one of {MODEL_TYPES}")
+        v3 = model_type != "deepseek_v2"
+        sparse = model_type == "deepseek_v32"
         n_group = hf.get("n_group") or 1
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -178,6 +194,9 @@ class ModelConfig:
             checkpoint_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
             fp8_block=fp8_block,
             num_mtp_layers=hf.get("num_nextn_predict_layers", 0) or 0,
+            index_topk=hf.get("index_topk", 2048) if sparse else 0,
+            index_n_heads=hf.get("index_n_heads", 64) if sparse else 0,
+            index_head_dim=hf.get("index_head_dim", 128) if sparse else 0,
         )
 
     @classmethod

@@ -88,19 +88,22 @@ _V3_ROPE = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 40
 _V2_LITE_ROPE = {**_V3_ROPE, "mscale": 0.707, "mscale_all_dim": 0.707}
 
 # config.json of the released checkpoints (the keys ModelConfig reads).
+_DSV3: dict[str, Any] = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8, "topk_group": 4,
+    "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": _V3_ROPE, "torch_dtype": "bfloat16", "num_nextn_predict_layers": 1,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+}
 PRESETS: dict[str, dict[str, Any]] = {
-    "dsv3": {
-        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
-        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
-        "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8, "topk_group": 4,
-        "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "rope_theta": 10000,
-        "rope_scaling": _V3_ROPE, "torch_dtype": "bfloat16", "num_nextn_predict_layers": 1,
-        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                "weight_block_size": [128, 128]},
-    },
+    "dsv3": _DSV3,
+    # DeepSeek-V3.2: V3 plus the lightning indexer (64 heads of 128, top 2,048 tokens per query)
+    "dsv32": {**_DSV3, "model_type": "deepseek_v32", "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128},
     "dsv2-lite": {
         "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
         "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
@@ -305,6 +308,10 @@ def _attention_bytes(m: ModelConfig, attn_tp: int, dtype: str, block: tuple[int,
     else:
         replicated += linear_bytes(m.q_lora_rank, m.hidden_size, dtype, block)
         sharded += linear_bytes(heads * m.qk_head_dim, m.q_lora_rank, dtype, block)
+    if m.index_topk:  # V3.2's indexer, replicated: wq_b and wk as the checkpoint's; weights_proj in fp32
+        replicated += linear_bytes(m.index_n_heads * m.index_head_dim, m.q_lora_rank, dtype, block)
+        replicated += linear_bytes(m.index_head_dim, m.hidden_size, dtype, block)
+        replicated += 4 * m.index_n_heads * m.hidden_size
     return replicated, sharded
 
 
@@ -403,7 +410,7 @@ def activation_memory(m: ModelConfig, layout: Layout, work: Workload, dtype: str
 
 
 def kv_bytes_per_token(m: ModelConfig, kv_dtype: str) -> int:
-    return m.num_layers * m.kv_cache_dim * (1 if kv_dtype == "fp8" else 2)
+    return m.num_layers * m.cache_row_dim * (1 if kv_dtype == "fp8" else 2)
 
 
 # -------------------------------------------------------------------------------------- dense TP
@@ -597,7 +604,7 @@ def _kv_lines(p: Plan) -> list[str]:
     ctx, lay = p.work.context, p.layout
     share = "own requests per DP rank" if lay.attn_tp == 1 else f"latent replicated over attention TP {lay.attn_tp}"
     lines = ["KV capacity"] + _rows([
-        ("per token", f"{p.model.num_layers} layers x {p.model.kv_cache_dim} values = {p.kv_per_token / 1024:.2f} KiB"),
+        ("per token", f"{p.model.num_layers} layers x {p.model.cache_row_dim} values = {p.kv_per_token / 1024:.2f} KiB"),
         ("tokens per rank", f"{p.kv_tokens:,} ({p.kv_tokens // ctx:,} sequences of {ctx})"),
         ("tokens per server", f"{p.kv_tokens_total:,} ({p.kv_tokens_total // ctx:,} sequences; {share})"),
     ])

@@ -27,6 +27,7 @@ from moeserve.layers.moe import MoEOptions
 from moeserve.models.checkpoint import model_fingerprint
 from moeserve.models.deepseek import DeepseekForCausalLM
 from moeserve.models.loader import load_checkpoint, load_dummy
+from moeserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class ModelRunner:
         load, cfg = self.config.load, self.config.model
         self.moe_options = moe = self._moe_options()
         with torch.device(self.device), default_dtype(self.dtype):
-            model = DeepseekForCausalLM(cfg, self.groups, moe, fp8=self.fp8_weights, mtp=self.config.spec.enabled)
+            model = model_class(cfg)(cfg, self.groups, moe, fp8=self.fp8_weights, mtp=self.config.spec.enabled)
         if load.load_format == "dummy":
             load_dummy(model, load.seed)
         else:
@@ -117,13 +118,14 @@ class ModelRunner:
         # the MTP module's decoder layer, when it drafts, has a cache layer of its own after the model's
         layers = model_cfg.num_layers + (1 if self.config.spec.enabled else 0)
         tokens = cache_cfg.max_total_tokens or kv_capacity_tokens(
-            self._kv_budget_bytes(), layers, model_cfg.kv_cache_dim, self.dtype)
+            self._kv_budget_bytes(), layers, model_cfg.cache_row_dim, self.dtype)
         # pages of ``page_size`` slots, + the padding page 0; the scheduler's ``PagePool`` hands them out
         self.num_pages, self.page_size = tokens // page_size + 1, page_size
         if self.num_pages < 2:
             raise ValueError(f"the KV cache needs at least 2 pages, got {self.num_pages}")
         self.kv_pool = MLAKVPool(layers, self.num_pages * page_size, model_cfg.kv_lora_rank,
-                                 model_cfg.qk_rope_head_dim, self.dtype, self.device)
+                                 model_cfg.qk_rope_head_dim, self.dtype, self.device,
+                                 model_cfg.cache_row_dim - model_cfg.kv_cache_dim)
         self.max_total_tokens = (self.num_pages - 1) * page_size
         logger.info("KV cache: %d tokens in %d pages of %d", self.max_total_tokens, self.num_pages - 1, page_size)
 
@@ -145,6 +147,9 @@ class ModelRunner:
         if (self.device.type != "cuda" and not eager) or cfg.runner.disable_cuda_graph:
             return None
         if cfg.eplb.recorder_mode == "per_token":  # its token streams are kept per step, outside a graph
+            return None
+        if cfg.model.index_topk:  # V3.2's selection sizes its work on the host each step: no graphs yet
+            logger.info("CUDA graphs are off: sparse attention (index_topk) runs eagerly")
             return None
         sizes = [b for b in cfg.runner.graph_batch_sizes(cfg.scheduler.max_running_requests) if self._graph_fits(b)]
         if not sizes:

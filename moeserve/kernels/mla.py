@@ -209,3 +209,21 @@ def mla_verify_ref(
         probs = scores.float().softmax(-1).to(latent.dtype)
         out[row] = probs @ latent
     return out
+
+
+def sparse_mla(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    selected: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA of each query row over its own set of cache slots (DeepSeek-V3.2's sparse
+    attention): ``q_latent [T, H, L]``, ``q_rope [T, H, R]``, ``kv_cache [slots, L + R]`` as in
+    ``mla_decode``, ``selected [T, K]`` the slots of row ``t`` (``-1``: none). Returns
+    ``[T, H, L]``; each row is ``mla_decode`` of a sequence made of its slots, so the GPU runs
+    the same kernel."""
+    valid = selected >= 0
+    indptr = torch.zeros(selected.shape[0] + 1, dtype=torch.int64, device=selected.device)
+    torch.cumsum(valid.sum(dim=1), dim=0, out=indptr[1:])
+    return mla_decode(q_latent, q_rope, kv_cache, indptr, selected[valid], scale)

@@ -23,6 +23,8 @@ class MLAInputs:
 
     q: torch.Tensor  # [T, H, qk_nope_head_dim + qk_rope_head_dim]
     nope_dim: int
+    q_compressed: torch.Tensor | None = None  # [T, q_lora_rank], the query's latent (None without q-LoRA)
+    selected: torch.Tensor | None = None  # [T, K] cache slots each token attends to (V3.2; None: all)
 
     @property
     def q_nope(self) -> torch.Tensor:  # [T, H, qk_nope_head_dim], a view of q
@@ -68,12 +70,14 @@ class MLA(nn.Module):
                 batch: ForwardBatch) -> MLAInputs:
         """Project ``hidden [T, D]``; write the new tokens' latent and rope key to the cache."""
         n_tokens = hidden.shape[0]
+        q_compressed = None
         if hasattr(self, "q_proj"):
             q = self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_compressed = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_compressed)
         q = q.view(n_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        inputs = MLAInputs(q, self.nope_dim)
+        inputs = MLAInputs(q, self.nope_dim, q_compressed)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_rope = inputs.q_rope
@@ -95,9 +99,16 @@ class MLA(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
+    def _absorb(self, inputs: MLAInputs) -> torch.Tensor:
+        """The query's nope part through ``W_UK``: ``[T, H, L]``, in the latent's space."""
+        return torch.einsum("thn,hnl->thl", inputs.q_nope, self._w_uk_uv()[0])
+
+    def _unabsorb(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """Attention output in latent space ``[T, H, L]`` through ``W_UV``: ``[T, H, v]``."""
+        return torch.einsum("thl,hvl->thv", out_latent, self._w_uk_uv()[1])
+
     def _absorbed(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
-        w_uk, w_uv = self._w_uk_uv()
-        q_latent = torch.einsum("thn,hnl->thl", inputs.q_nope, w_uk)  # [T, H, L]
+        q_latent = self._absorb(inputs)  # [T, H, L]
         cache = batch.kv_pool.layer(self.layer_id)
         if batch.mode is ForwardMode.VERIFY:
             out_latent = mla_verify(q_latent, inputs.q_rope, cache, batch.kv_indptr, batch.kv_indices, self.scale,
@@ -106,7 +117,7 @@ class MLA(nn.Module):
         else:
             out_latent = mla_decode(q_latent, inputs.q_rope, cache, batch.kv_indptr, batch.kv_indices, self.scale,
                                     page_size=batch.page_size, launch_batch=batch.launch_batch_size)
-        return torch.einsum("thl,hvl->thv", out_latent, w_uv)  # [T, H, v]
+        return self._unabsorb(out_latent)  # [T, H, v]
 
     def _expanded(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
         cached = batch.kv_pool.layer(self.layer_id)[batch.kv_indices]  # [S, L + R]

@@ -56,14 +56,17 @@ Op = Callable[[LayerState, ForwardBatch], None]
 
 
 class DecoderLayer(nn.Module):
-    """Between ops the residual stream is in the scattered layout (``distributed/layout.py``)."""
+    """Between ops the residual stream is in the scattered layout (``distributed/layout.py``).
+    A model family whose attention differs names its own class here (``attention_cls``)."""
+
+    attention_cls: type[MLA] = MLA
 
     def __init__(self, cfg: ModelConfig, layer_id: int, groups: ParallelGroups, moe: MoEOptions,
                  fp8: bool = False) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.layout = TokenLayout(groups)
-        self.self_attn = MLA(cfg, layer_id, groups.attn_tp, fp8)
+        self.self_attn = self.attention_cls(cfg, layer_id, groups.attn_tp, fp8)
         self.is_moe = cfg.is_moe_layer(layer_id)
         if self.is_moe:
             self.mlp = MoE(cfg, layer_id, groups, moe, fp8)
@@ -164,10 +167,11 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, moe: MoEOptions, fp8: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, moe: MoEOptions, fp8: bool = False,
+                 layer_cls: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, groups, moe, fp8) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, i, groups, moe, fp8) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
 
@@ -192,7 +196,8 @@ class DeepseekMTP(nn.Module):
     checkpoint keeps every tensor of it under ``model.layers.{num_layers}.``.
     """
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, moe: MoEOptions, fp8: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, moe: MoEOptions, fp8: bool = False,
+                 layer_cls: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         h, eps, self.layer_id = cfg.hidden_size, cfg.rms_norm_eps, cfg.num_layers
         if cfg.is_moe_layer(self.layer_id) and moe.placement.num_layers <= self.layer_id:
@@ -203,7 +208,7 @@ class DeepseekMTP(nn.Module):
         self.enorm = RMSNorm(h, eps)
         self.hnorm = RMSNorm(h, eps)
         self.eh_proj = Linear(2 * h, h, fp8=fp8)
-        self.layer = DecoderLayer(cfg, self.layer_id, groups, moe, fp8)
+        self.layer = layer_cls(cfg, self.layer_id, groups, moe, fp8)
         self.shared_head = SharedHead(h, eps)
         # the checkpoint names the decoder layer's tensors under the module's prefix too (the loader
         # reads ``checkpoint_prefix``)
@@ -249,7 +254,12 @@ class DeepseekForCausalLM(nn.Module):
     scales (embeddings, LM head, router, norms and ``kv_b_proj`` keep the model dtype).
 
     ``mtp=True``: also the checkpoint's first MTP module, as ``self.mtp`` (``DeepseekMTP``); its
-    MoE layer needs a placement of ``num_layers + 1`` layers (the default ``moe`` has one)."""
+    MoE layer needs a placement of ``num_layers + 1`` layers (the default ``moe`` has one).
+
+    A model family that differs only inside its decoder layers subclasses this with its own
+    ``decoder_layer`` (``models/deepseek_v32.py``)."""
+
+    decoder_layer: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, moe: MoEOptions | None = None,
                  fp8: bool = False, mtp: bool = False) -> None:
@@ -260,14 +270,14 @@ class DeepseekForCausalLM(nn.Module):
         self.groups = groups = groups or single_groups()
         self.layout = TokenLayout(groups)
         moe = moe or MoEOptions(ExpertPlacement.trivial(cfg.num_layers + int(mtp), max(cfg.n_routed_experts, 1), 1))
-        self.model = DeepseekModel(cfg, groups, moe, fp8)
+        self.model = DeepseekModel(cfg, groups, moe, fp8, self.decoder_layer)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, groups.lm_head)
         if cfg.tie_word_embeddings:
             if groups.lm_head.size > 1:
                 raise ValueError("tied word embeddings with a vocab-parallel LM head are not supported")
             self.lm_head.weight = self.model.embed_tokens.weight
         # built after the model's layers, so that they are built (and dummy-filled) as without it
-        self.mtp = DeepseekMTP(cfg, groups, moe, fp8) if mtp else None
+        self.mtp = DeepseekMTP(cfg, groups, moe, fp8, self.decoder_layer) if mtp else None
 
     def begin(self, batch: ForwardBatch) -> LayerState:
         """Embed this rank's scattered share of the batch; rope angles for the whole DP batch."""

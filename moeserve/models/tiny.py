@@ -64,6 +64,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_nextn_predict_layers": 0,
         "rope_scaling": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
     },
+    # V3 plus the lightning indexer; few index tokens, so that tiny prompts already select
+    "v32": {
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "n_group": 4, "topk_group": 2,
+        "n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "num_nextn_predict_layers": 0,
+        "index_topk": 16, "index_n_heads": 16, "index_head_dim": 32,
+        "rope_scaling": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+    },
     "v2-lite": {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
         "topk_method": "greedy", "scoring_func": "softmax", "n_group": 1, "topk_group": 1, "q_lora_rank": None,
@@ -302,6 +311,19 @@ def _attention_specs(cfg: ModelConfig, p: str) -> Iterator[_Spec]:
     yield p + "o_proj.weight", (h, heads * cfg.v_head_dim), "linear"
     if cfg.attention_bias:
         yield p + "o_proj.bias", (h,), "bias"
+    if cfg.index_topk:
+        yield from _indexer_specs(cfg, p + "indexer.")
+
+
+def _indexer_specs(cfg: ModelConfig, p: str) -> Iterator[_Spec]:
+    """DeepSeek-V3.2's indexer as released: FP8 projections but for the head weights; a LayerNorm
+    whose bias is drawn, like every tensor that would otherwise start at zero."""
+    heads, dim = cfg.index_n_heads, cfg.index_head_dim
+    yield p + "wq_b.weight", (heads * dim, cfg.q_lora_rank), "linear"
+    yield p + "wk.weight", (dim, cfg.hidden_size), "linear"
+    yield p + "k_norm.weight", (dim,), "scale"
+    yield p + "k_norm.bias", (dim,), "correction"
+    yield p + "weights_proj.weight", (heads, cfg.hidden_size), "router"
 
 
 def _moe_specs(cfg: ModelConfig, p: str) -> Iterator[_Spec]:

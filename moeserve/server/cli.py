@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random DeepSeek checkpoint")
     tiny.add_argument("out")
-    tiny.add_argument("--preset", default="v3", choices=["v3", "v2-lite", "v2"])
+    tiny.add_argument("--preset", default="v3", choices=["v3", "v32", "v2-lite", "v2"])
     tiny.add_argument("--fp8", action="store_true", help="store linear weights as block-scaled FP8")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--mtp", action="store_true",

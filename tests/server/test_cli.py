@@ -10,7 +10,7 @@ from moeserve.models.tiny import make_tiny_model
 from moeserve.server.cli import main
 
 
-@pytest.mark.parametrize("preset", ["v3", "v2-lite"])
+@pytest.mark.parametrize("preset", ["v3", "v32", "v2-lite"])
 def test_make_tiny_model_then_generate(tmp_path, capsys, preset):
     out = str(tmp_path / preset)
     assert main(["make-tiny-model", out, "--preset", preset, "--seed", "1"]) == 0
