@@ -6,9 +6,8 @@ query keeps the ``topk`` tokens of highest score (DeepSeek-V3.2 report §2.1). A
 context holds no more than ``topk`` tokens keeps all of them, so nothing is scored for it and
 sparse attention over its selection is dense attention.
 
-``select_topk`` hands CUDA tensors to a kernel where one exists; ``select_topk_ref`` is the torch
-version. Neither ever holds a score matrix larger than ``SCORE_CHUNK`` values: rows are scored a
-chunk at a time.
+``select_topk`` is the torch version (on any device); it never holds more than ``SCORE_CHUNK``
+scores at once: rows are scored a chunk at a time.
 """
 
 from __future__ import annotations
@@ -36,21 +35,8 @@ def select_topk(
     ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` in position order; row ``t`` belongs to sequence
     ``seq_of_row[t]`` at position ``pos_of_row[t]`` and sees positions ``0 .. pos_of_row[t]``.
     Returns ``[T, topk]`` int64 slots, ``-1`` where a row has fewer than ``topk`` (in no given order).
+    Scores in fp32, the rows of one sequence a chunk at a time (a GPU kernel is still to come).
     """
-    return select_topk_ref(q, weights, index_cache, kv_indptr, kv_indices, seq_of_row, pos_of_row, topk)
-
-
-def select_topk_ref(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    seq_of_row: list[int],
-    pos_of_row: list[int],
-    topk: int,
-) -> torch.Tensor:
-    """Torch version of ``select_topk``: scores in fp32, rows of one sequence a chunk at a time."""
     n_rows, n_heads = q.shape[:2]
     out = torch.full((n_rows, topk), -1, dtype=torch.int64, device=q.device)
     bounds = kv_indptr.tolist()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeserve.kernels import indexer
-from moeserve.kernels.indexer import select_topk_ref
+from moeserve.kernels.indexer import select_topk
 from moeserve.kernels.mla import sparse_mla
 
 
@@ -47,7 +47,7 @@ def test_selection_is_the_top_k_of_each_rows_causal_context(monkeypatch, chunk):
     monkeypatch.setattr(indexer, "SCORE_CHUNK", chunk)
     seq_lens, extend_lens, topk = [40, 9, 25, 31], [40, 9, 1, 6], 11
     case = _case(0, seq_lens, extend_lens)
-    got = select_topk_ref(*case, topk)
+    got = select_topk(*case, topk)
     want = _dense_topk(*case, topk)
     assert got.shape == (sum(extend_lens), topk)
     for row, slots in enumerate(got.tolist()):
