@@ -10,6 +10,7 @@ off the event loop). Every error has the OpenAI envelope ``{"error": {...}}``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import moeserve
 from moeserve.config import EngineConfig, ServerConfig
 from moeserve.core import BootstrapInfo, SamplingParams
 from moeserve.models.tokenizer import Tokenizer
@@ -31,7 +33,13 @@ from moeserve.scheduler.validation import check_request
 from moeserve.server import openai_serving as oai
 from moeserve.server.engine_client import EngineClient, EngineError, Ticket
 from moeserve.server.http import APIKeyAuth, error_body, error_json
-from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from moeserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+)
 
 DISCONNECT_POLL_S = 0.2
 # texts up to this many characters are tokenized on the event loop (well under a millisecond);
@@ -61,35 +69,35 @@ class ServerState:
     async def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        tokenizer = self._text_tokenizer()
+        tokenizer = self.text_tokenizer()
         if not prompt:
             raise APIError(400, "prompt is empty")
-        self._check_text_length(prompt)
-        return await self._off_loop(len(prompt), tokenizer.encode, prompt)
+        self.check_text_length(prompt)
+        return await self.off_loop(len(prompt), tokenizer.encode, prompt)
 
     async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        tokenizer = self._text_tokenizer()
+        tokenizer = self.text_tokenizer()
         size = sum(len(m["content"]) for m in messages)
         try:
-            text = await self._off_loop(size, tokenizer.render_chat, messages)
+            text = await self.off_loop(size, tokenizer.render_chat, messages)
         except Exception as exc:  # the template refused the conversation (roles, order …)
             raise APIError(400, f"messages: {exc}") from exc
-        self._check_text_length(text)
-        return await self._off_loop(len(text), tokenizer.encode, text, False)
+        self.check_text_length(text)
+        return await self.off_loop(len(text), tokenizer.encode, text, False)
 
-    def _text_tokenizer(self) -> Tokenizer:
+    def text_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids")
         return self.tokenizer
 
-    def _check_text_length(self, text: str) -> None:
+    def check_text_length(self, text: str) -> None:
         """Refuse, without tokenizing, a text that must have more tokens than the context holds."""
         least, context = self.tokenizer.min_tokens(text), self.engine.context_length
         if least >= context:
             raise APIError(400, f"prompt has at least {least} tokens ({len(text)} characters), "
                                 f"the context length is {context}")
 
-    async def _off_loop(self, size: int, fn: Callable, *args: Any) -> Any:
+    async def off_loop(self, size: int, fn: Callable, *args: Any) -> Any:
         if size <= INLINE_TOKENIZE_CHARS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
@@ -115,9 +123,16 @@ class ServerState:
         return info
 
     def check_model(self, model: str | None) -> None:
+        """A 404 ``model_not_found`` (OpenAI's answer) for a model this server does not serve."""
         known = {self.server.served_model_name, self.engine.load.model_path}
         if model is not None and model not in known:
-            raise APIError(400, f"model {model!r} is not served here; use {self.server.served_model_name!r}")
+            raise APIError(404, f"model {model!r} is not served here; use {self.server.served_model_name!r}",
+                           "model_not_found")
+
+    def model_card(self) -> dict:
+        return {"id": self.server.served_model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "moeserve", "root": self.engine.load.model_path,
+                "max_model_len": self.engine.context_length}
 
     def admit(self, places: int) -> Ticket:
         """Queue places for ``places`` engine requests, taken now, before any await: a burst of
@@ -275,16 +290,60 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": state.server.served_model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "moeserve", "root": state.engine.load.model_path,
-                "max_model_len": state.engine.context_length}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [state.model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str) -> dict:
+        state.check_model(model)
+        return state.model_card()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": moeserve.__version__}
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        """The settings the server runs with (the API key left out) and the KV capacity it has."""
+        settings = {name: dataclasses.asdict(section) for name, section in vars(state.engine).items()
+                    if dataclasses.is_dataclass(section) and name != "model"}
+        server = {k: v for k, v in dataclasses.asdict(state.server).items() if k != "api_key"}
+        return json.loads(json.dumps({"version": moeserve.__version__, "server": server, "engine": settings,
+                                      "max_total_tokens": state.kv_capacity,
+                                      "model_type": state.engine.model.model_type}, default=str))
 
     @app.get("/get_model_info")
     async def model_info() -> dict:
         return {"model_path": state.engine.load.model_path, "served_model_name": state.server.served_model_name,
                 "vocab_size": state.engine.model.vocab_size, "max_model_len": state.engine.context_length,
                 "max_total_tokens": state.kv_capacity, "is_generation": True}
+
+    for prefix in ("", "/v1"):
+        app.add_api_route(f"{prefix}/tokenize", _tokenize_route(state), methods=["POST"])
+        app.add_api_route(f"{prefix}/detokenize", _detokenize_route(state), methods=["POST"])
+
+
+def _tokenize_route(state: ServerState) -> Callable[[TokenizeRequest], Awaitable[dict]]:
+    async def tokenize(body: TokenizeRequest) -> dict:
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.text is None):
+            raise APIError(400, "give exactly one of prompt and text")
+        tokenizer = state.text_tokenizer()
+        text = body.prompt if body.prompt is not None else body.text
+        state.check_text_length(text)
+        ids = await state.off_loop(len(text), tokenizer.encode, text, body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.context_length}
+    return tokenize
+
+
+def _detokenize_route(state: ServerState) -> Callable[[DetokenizeRequest], Awaitable[dict]]:
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.check_model(body.model)
+        vocab = state.engine.model.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens: every id must be in [0, {vocab})")
+        text = state.text_tokenizer().decode(body.tokens)
+        return {"prompt": text, "text": text}  # vLLM's name and SGLang's
+    return detokenize
 
 
 async def _serve(request: Request, state: ServerState, places: int, stream: bool,

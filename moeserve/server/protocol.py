@@ -2,15 +2,56 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moeserve.core import BootstrapInfo, SamplingParams
 
+logger = logging.getLogger(__name__)
+
+# Fields of OpenAI's and SGLang's request schemas that this server does not honour yet, each with the
+# values that ask for nothing (sending one of those is fine). Any other value is a 400 naming the
+# field: an answer that silently ignored it would have the wrong shape (no tool call, no JSON, ...).
+NOT_HONOURED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}), "regex": (None,), "ebnf": (None,), "json_schema": (None,),
+    "logit_bias": (None, {}), "min_tokens": (None, 0), "priority": (None, 0),
+    "chat_template_kwargs": (None, {}), "reasoning_effort": (None,), "continue_final_message": (None, False),
+    "suffix": (None, ""), "best_of": (None, 1), "prediction": (None,), "audio": (None,),
+    "modalities": (None, ["text"]), "web_search_options": (None,),
+}
+# fields of those schemas that change nothing in what the engine computes or returns
+HARMLESS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls", "rid"})
+
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_continuous_usage(self) -> StreamOptions:
+        if self.continuous_usage_stats:
+            raise ValueError("stream_options.continuous_usage_stats is not supported by this server")
+        return self
+
+
+def check_fields(model: type[BaseModel], data: Any) -> Any:
+    """Refuse a field of ``NOT_HONOURED`` set to a value that asks for something; note the unknown
+    fields in one log line (vLLM's rule: ignored, but said)."""
+    if not isinstance(data, dict):
+        return data
+    for name, inert in NOT_HONOURED.items():
+        if name in data and not any(data[name] == value for value in inert):
+            raise ValueError(f"{name} is not supported by this server (leave it out)")
+    unknown = sorted(set(data) - set(model.model_fields) - set(NOT_HONOURED) - HARMLESS)
+    if unknown:
+        logger.info("a %s had fields this server does not know; ignored: %s", model.__name__, ", ".join(unknown))
+    return data
 
 
 class _BootstrapFields(BaseModel):
@@ -33,6 +74,11 @@ class _SamplingFields(_BootstrapFields):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_fields(cls, data: Any) -> Any:
+        return check_fields(cls, data)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
@@ -99,9 +145,35 @@ class GenerateRequest(_BootstrapFields):
 
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_fields(cls, data: Any) -> Any:
+        return check_fields(cls, data)
+
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: dict = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+
+
+class TokenizeRequest(BaseModel):
+    """``/tokenize``: a text (``prompt``, vLLM's name, or ``text``, SGLang's) to token ids."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    text: str | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``/detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
