@@ -508,7 +508,8 @@ class RunnerConfig:
         return sorted(set(sizes + [top]))
 
 
-SPECULATIVE_ALGORITHMS = ("NEXTN",)
+# EAGLE: SGLang's name for the same thing with DeepSeek checkpoints (it runs their MTP module as NEXTN)
+SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
 PD_MAX_DRAFTS = 16  # draft tokens a PD first-token record carries (moeserve.disagg.roles)
 
 
@@ -517,8 +518,9 @@ class SpecConfig:
     """Speculative decoding with the checkpoint's multi-token-prediction module (SGLang's flags):
     each decode step verifies ``num_steps`` draft tokens per sequence, chained (top-k 1)."""
 
-    speculative_algorithm: str | None = flag(None, "NEXTN: the checkpoint's MTP module drafts, the model "
-                                                   "verifies (default: off)", choices=SPECULATIVE_ALGORITHMS)
+    speculative_algorithm: str | None = flag(None, "NEXTN (or EAGLE, SGLang's spelling for DeepSeek): the "
+                                                   "checkpoint's MTP module drafts, the model verifies (default: off)",
+                                             choices=SPECULATIVE_ALGORITHMS)
     speculative_num_steps: int = flag(1, "draft tokens per sequence and step (the MTP module runs this many "
                                          "times, autoregressively)")
     speculative_eagle_topk: int = flag(1, "draft branches per step; only 1 (a chain) is supported")
@@ -595,6 +597,12 @@ class ServerConfig:
     max_queued_requests: int | None = flag(None, "answer 503 (Retry-After) while this many requests wait for their "
                                                  "first token (default: no limit)")
     max_request_bytes: int = flag(16 << 20, "answer 413 to a request body larger than this")
+    chat_template: str | None = flag(None, "a Jinja chat template (a file, or the template text) instead of the "
+                                           "tokenizer's")
+    # accepted so that SGLang's launch lines start; each says in the log what it means here
+    trust_remote_code: bool = flag(False, "accepted for SGLang's launch lines: moeserve runs no code from the "
+                                          "checkpoint")
+    enable_metrics: bool = flag(False, "accepted for SGLang's launch lines: /metrics is always served")
 
     def __post_init__(self) -> None:
         _require(self.max_queued_requests is None or self.max_queued_requests >= 1, "max_queued_requests",

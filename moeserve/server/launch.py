@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import time
@@ -18,7 +19,7 @@ from moeserve.config import EngineConfig
 from moeserve.disagg.bootstrap import BootstrapService
 from moeserve.disagg.secret import ensure_secret, read_secret
 from moeserve.disagg.transfer.protocol import bootstrap_token
-from moeserve.models.tokenizer import load_tokenizer
+from moeserve.models.tokenizer import Tokenizer, load_tokenizer
 from moeserve.scheduler.ranks import RankAddresses, RankProcesses
 from moeserve.server.api import ServerConfig, ServerState, build_app
 from moeserve.server.engine_client import EngineClient
@@ -46,7 +47,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     bootstrap = _bootstrap_service(engine_config)
     if bootstrap is not None:  # its ranks register at the port really bound (--disaggregation-bootstrap-port 0)
         engine_config = _with_bootstrap_port(engine_config, bootstrap.sock.getsockname()[1])
-    tokenizer = load_tokenizer(engine_config.load.tokenizer_path or engine_config.load.model_path)
+    tokenizer = server_tokenizer(engine_config, server_config)
     client = EngineClient(tokenizer, Metrics(server_config.served_model_name), addrs, par.load_balance_method,
                           route_by_room=disagg.disaggregation_mode == "prefill")
     logger.info("engine channel: %s (CURVE-authenticated)", ", ".join([addrs.output, *addrs.inputs]))
@@ -153,3 +154,25 @@ def _http_server(state: ServerState, ranks: RankProcesses, bootstrap: BootstrapS
                             timeout_graceful_shutdown=5, timeout_keep_alive=SERVER_KEEP_ALIVE_S)
     server = SignalledServer(config)
     return server
+
+
+def server_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> Tokenizer | None:
+    """The API process's tokenizer, with ``--chat-template`` in place of its own; the flags SGLang's
+    launch lines carry that change nothing here are said in the log."""
+    tokenizer = load_tokenizer(engine_config.load.tokenizer_path or engine_config.load.model_path)
+    if server_config.trust_remote_code:
+        logger.info("--trust-remote-code: accepted; moeserve runs no code from the checkpoint")
+    if server_config.enable_metrics:
+        logger.info("--enable-metrics: accepted; /metrics is always served")
+    template = server_config.chat_template
+    if template is not None:
+        if tokenizer is None:
+            raise ValueError("chat_template: this model has no tokenizer to apply it with")
+        if os.path.isfile(template):
+            with open(template) as f:
+                template = f.read()
+        tokenizer.hf.chat_template = template
+        logger.info("chat template: %s", "from " + server_config.chat_template
+                    if os.path.isfile(server_config.chat_template) else "given inline")
+    return tokenizer
+

@@ -127,3 +127,29 @@ def test_config_flags_refuse_names_that_are_not_fields():
 
     with pytest.raises(ValueError, match="ep_sizes"):
         add_config_flags(argparse.ArgumentParser(), {"ep_sizes"})
+
+
+def test_an_sglang_deepseek_launch_line_parses_and_means_what_it_says(tmp_path, caplog):
+    """SGLang's DeepSeek launch flags that moeserve has: EAGLE is the checkpoint's MTP module (SGLang's
+    spelling for DeepSeek), --chat-template replaces the tokenizer's, and the no-ops say so in the log."""
+    import logging
+
+    from moeserve.config import ServerConfig, build_engine_config, config_flags
+    from moeserve.flags import engine_settings
+    from moeserve.server.cli import build_parser
+    from moeserve.server.launch import server_tokenizer
+
+    path = make_tiny_model(str(tmp_path / "m"), preset="v3", mtp=True)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    args = build_parser().parse_args([
+        "serve", "--model-path", path, "--trust-remote-code", "--enable-metrics", "--tp-size", "1",
+        "--chat-template", str(template), "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"])
+    engine = build_engine_config(path, **engine_settings(args))
+    assert engine.spec.enabled and engine.spec.num_drafts == 2
+    server = ServerConfig(**{n: getattr(args, n) for n, *_ in config_flags((ServerConfig,))})
+    with caplog.at_level(logging.INFO):
+        tokenizer = server_tokenizer(engine, server)
+    assert tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "[user]hi"
+    assert "--trust-remote-code: accepted" in caplog.text and "--enable-metrics: accepted" in caplog.text
