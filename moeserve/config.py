@@ -599,6 +599,8 @@ class ServerConfig:
     max_request_bytes: int = flag(16 << 20, "answer 413 to a request body larger than this")
     chat_template: str | None = flag(None, "a Jinja chat template (a file, or the template text) instead of the "
                                            "tokenizer's")
+    reasoning_parser: str | None = flag(None, "split chat completions into reasoning_content and content by the "
+                                              "model's thinking tags", choices=("deepseek-r1",))
     # accepted so that SGLang's launch lines start; each says in the log what it means here
     trust_remote_code: bool = flag(False, "accepted for SGLang's launch lines: moeserve runs no code from the "
                                           "checkpoint")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from moeserve.core import BootstrapInfo, SamplingParams, TokenLogprob
 from moeserve.server.engine_client import Chunk, Ticket
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from moeserve.server.reasoning import ReasoningParser, Split
 
 if TYPE_CHECKING:
     from moeserve.server.api import ServerState
@@ -37,6 +38,11 @@ class Result:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # with a reasoning parser: the text split in two, and the tokens generated while reasoning
+    parser: ReasoningParser | None = None
+    reasoning: str = ""
+    content: str = ""
+    reasoning_tokens: int = 0
 
 
 def _api_error(message: str) -> Exception:
@@ -118,25 +124,44 @@ async def native_job(state: ServerState, body: GenerateRequest, ticket: Ticket) 
 
 
 # ---- running jobs --------------------------------------------------------------------------
-async def collect(chunks: AsyncIterator[Chunk]) -> Result:
-    result = Result()
+async def collect(chunks: AsyncIterator[Chunk], result: Result | None = None) -> Result:
+    result = result or Result()
     async for chunk in chunks:
         _add(result, chunk)
     return result
 
 
-def _add(result: Result, chunk: Chunk) -> None:
+def _add(result: Result, chunk: Chunk) -> Split | None:
+    """Add ``chunk`` to ``result``; with a reasoning parser, what of it is reasoning and what answer."""
     result.text += chunk.text
     result.token_ids += chunk.token_ids
     result.logprobs += chunk.logprobs
     result.finish_reason = chunk.finish_reason
     result.prompt_tokens = chunk.prompt_tokens
     result.cached_tokens = chunk.cached_tokens
+    if result.parser is None:
+        return None
+    if result.parser.in_reasoning:  # the tokens that close the reasoning count as reasoning too
+        result.reasoning_tokens += len(chunk.token_ids)
+    split = result.parser.feed(chunk.text)
+    if chunk.finish_reason is not None:
+        rest = result.parser.finish()
+        split = Split(split.reasoning + rest.reasoning, split.content + rest.content)
+    result.reasoning += split.reasoning
+    result.content += split.content
+    return split
 
 
-async def run_all(state: ServerState, jobs: list[Job]) -> list[Result]:
+def new_result(state: ServerState, body: Any) -> Result:
+    """A result to collect into: split by ``--reasoning-parser`` unless the request asks not to."""
+    name = state.server.reasoning_parser
+    return Result(parser=ReasoningParser(name) if name and getattr(body, "separate_reasoning", False) else None)
+
+
+async def run_all(state: ServerState, jobs: list[Job], body: Any = None) -> list[Result]:
     """Run every job concurrently; if one fails or the caller is cancelled, cancel the rest."""
-    tasks = [asyncio.ensure_future(collect(state.client.generate(j.prompt_ids, j.params, j.ticket, j.bootstrap)))
+    tasks = [asyncio.ensure_future(collect(state.client.generate(j.prompt_ids, j.params, j.ticket, j.bootstrap),
+                                           new_result(state, body)))
              for j in jobs]
     try:
         return list(await asyncio.gather(*tasks))
@@ -176,8 +201,11 @@ def _usage(jobs: list[Job], results: list[Result]) -> dict[str, Any]:
     prompts = {j.prompt_index: r for j, r in zip(jobs, results)}
     prompt = sum(r.prompt_tokens for r in prompts.values())
     completion = sum(len(r.token_ids) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in prompts.values())}}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in prompts.values())}}
+    if any(r.parser is not None for r in results):
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(r.reasoning_tokens for r in results)}
+    return usage
 
 
 def _header(kind: str, state: ServerState, prefix: str) -> dict[str, Any]:
@@ -236,11 +264,28 @@ def _chat_logprobs(state: ServerState, logprobs: list[TokenLogprob]) -> dict[str
 
 
 async def chat_response(state: ServerState, body: ChatCompletionRequest, jobs: list[Job]) -> dict[str, Any]:
-    results = await run_all(state, jobs)
-    choices = [{"index": j.index, "message": {"role": "assistant", "content": r.text},
+    results = await run_all(state, jobs, body)
+    choices = [{"index": j.index, "message": _message(r),
                 "logprobs": _chat_logprobs(state, r.logprobs) if body.logprobs else None,
                 "finish_reason": r.finish_reason} for j, r in zip(jobs, results)]
     return {**_header("chat.completion", state, "chatcmpl"), "choices": choices, "usage": _usage(jobs, results)}
+
+
+def _message(r: Result) -> dict[str, Any]:
+    if r.parser is None:
+        return {"role": "assistant", "content": r.text}
+    return {"role": "assistant", "content": r.content or None, "reasoning_content": r.reasoning or None}
+
+
+def _delta(chunk: Chunk, split: Split | None) -> dict[str, Any]:
+    if split is None:
+        return {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
+    delta = {}
+    if split.reasoning:
+        delta["reasoning_content"] = split.reasoning
+    if split.content or (not split.reasoning and chunk.finish_reason is None):
+        delta["content"] = split.content
+    return delta
 
 
 async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: list[Job]) -> AsyncIterator[dict]:
@@ -248,10 +293,9 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: lis
     for job in jobs:
         yield {**header, "choices": [{"index": job.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}]}
-    results = [Result() for _ in jobs]
+    results = [new_result(state, body) for _ in jobs]
     async for job, chunk in merged(state, jobs):
-        _add(results[job.index], chunk)
-        delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
+        delta = _delta(chunk, _add(results[job.index], chunk))
         lp = _chat_logprobs(state, chunk.logprobs) if body.logprobs else None
         yield {**header, "choices": [{"index": job.index, "delta": delta, "logprobs": lp,
                                       "finish_reason": chunk.finish_reason}]}

@@ -138,6 +138,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    separate_reasoning: bool = True  # SGLang's: with --reasoning-parser, reasoning_content apart from content
 
 
 class GenerateRequest(_BootstrapFields):
