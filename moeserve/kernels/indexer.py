@@ -6,13 +6,15 @@ query keeps the ``topk`` tokens of highest score (DeepSeek-V3.2 report §2.1). A
 context holds no more than ``topk`` tokens keeps all of them, so nothing is scored for it and
 sparse attention over its selection is dense attention.
 
-``select_topk`` is the torch version (on any device); it never holds more than ``SCORE_CHUNK``
-scores at once: rows are scored a chunk at a time.
+``select_topk`` hands CUDA tensors to its Triton twin (``kernels/triton/indexer.py``); its torch
+version never holds more than ``SCORE_CHUNK`` scores at once: rows are scored a chunk at a time.
 """
 
 from __future__ import annotations
 
 import torch
+
+from moeserve.kernels.backend import use_triton
 
 # at most this many fp32 scores (rows x index heads x context) exist at once in the torch version
 SCORE_CHUNK = 1 << 25
@@ -24,19 +26,33 @@ def select_topk(
     index_cache: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
-    seq_of_row: list[int],
-    pos_of_row: list[int],
+    seq_of_row: torch.Tensor,
+    pos_of_row: torch.Tensor,
     topk: int,
+    width: int,
 ) -> torch.Tensor:
     """The cache slots each query row attends to.
 
     ``q [T, H, D]`` index queries (rope applied); ``weights [T, H]`` fp32 head weights with every
     scale folded in; ``index_cache [slots, D]`` the index keys; sequence ``b``'s context is
     ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` in position order; row ``t`` belongs to sequence
-    ``seq_of_row[t]`` at position ``pos_of_row[t]`` and sees positions ``0 .. pos_of_row[t]``.
-    Returns ``[T, topk]`` int64 slots, ``-1`` where a row has fewer than ``topk`` (in no given order).
-    Scores in fp32, the rows of one sequence a chunk at a time (a GPU kernel is still to come).
+    ``seq_of_row[t]`` at position ``pos_of_row[t]`` (int64 ``[T]`` each, on q's device) and sees
+    positions ``0 .. pos_of_row[t]``; ``width`` bounds every row's context (the longest sequence,
+    known on the host). Returns ``[T, topk]`` int64 slots, the kept ones first (in no given order)
+    and ``-1`` after them where a row sees fewer than ``topk``. Scores in fp32.
     """
+    if use_triton(q):
+        from moeserve.kernels.triton import indexer as triton_indexer
+
+        return triton_indexer.select_topk(q, weights, index_cache, kv_indptr, kv_indices, seq_of_row, pos_of_row,
+                                          topk, width)
+    return select_topk_ref(q, weights, index_cache, kv_indptr, kv_indices, seq_of_row.tolist(), pos_of_row.tolist(),
+                           topk)
+
+
+def select_topk_ref(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                    kv_indices: torch.Tensor, seq_of_row: list[int], pos_of_row: list[int], topk: int) -> torch.Tensor:
+    """Torch version of ``select_topk``: the rows of one sequence a chunk at a time."""
     n_rows, n_heads = q.shape[:2]
     out = torch.full((n_rows, topk), -1, dtype=torch.int64, device=q.device)
     bounds = kv_indptr.tolist()

@@ -217,12 +217,23 @@ def sparse_mla(
     kv_cache: torch.Tensor,
     selected: torch.Tensor,
     scale: float,
+    *,
+    launch_rows: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA of each query row over its own set of cache slots (DeepSeek-V3.2's sparse
     attention): ``q_latent [T, H, L]``, ``q_rope [T, H, R]``, ``kv_cache [slots, L + R]`` as in
-    ``mla_decode``, ``selected [T, K]`` the slots of row ``t`` (``-1``: none). Returns
-    ``[T, H, L]``; each row is ``mla_decode`` of a sequence made of its slots, so the GPU runs
-    the same kernel."""
+    ``mla_decode``, ``selected [T, K]`` the slots of row ``t``, the kept ones first and ``-1``
+    after them. Returns ``[T, H, L]``; each row is ``mla_decode`` of a sequence made of its
+    slots, and the GPU runs the same kernel, reading each row's slots up to its count (no host
+    sync). ``launch_rows`` sizes the GPU launch as for a batch of that many rows (``launch_batch``
+    of ``mla_decode``)."""
+    if use_triton(q_latent):
+        from moeserve.kernels.triton import mla as triton_mla
+
+        step = 1 << 15  # query rows per launch (a grid axis holds 65,535)
+        parts = [triton_mla.sparse_mla(q_latent[i:i + step], q_rope[i:i + step], kv_cache, selected[i:i + step],
+                                       scale, launch_rows=launch_rows) for i in range(0, q_latent.shape[0], step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     valid = selected >= 0
     indptr = torch.zeros(selected.shape[0] + 1, dtype=torch.int64, device=selected.device)
     torch.cumsum(valid.sum(dim=1), dim=0, out=indptr[1:])

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.core import ForwardBatch
+from moeserve.core import ForwardBatch, ForwardMode
 from moeserve.distributed.groups import Group
 from moeserve.kernels.indexer import select_topk
 from moeserve.kernels.mla import sparse_mla
@@ -66,23 +66,15 @@ class Indexer(nn.Module):
             return None
         q = self._rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
         weights = F.linear(hidden.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, H]
-        seq_of_row, pos_of_row = rows_of(batch)
+        seq_of_row = torch.repeat_interleave(torch.arange(len(batch.extend_lens_cpu), device=hidden.device),
+                                             batch.extend_lens, output_size=hidden.shape[0])
         return select_topk(q, weights, batch.kv_pool.index_keys(self.layer_id), batch.kv_indptr, batch.kv_indices,
-                           seq_of_row, pos_of_row, self.topk)
+                           seq_of_row, batch.positions, self.topk, max(batch.seq_lens_cpu))
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rope on the first ``rope_dim`` dims of ``x [T, H, D]``, half paired with half."""
         rotated = apply_rope(x[..., :self.rope_dim].contiguous(), cos, sin, interleave=False)
         return torch.cat([rotated, x[..., self.rope_dim:]], dim=-1)
-
-
-def rows_of(batch: ForwardBatch) -> tuple[list[int], list[int]]:
-    """Each new token's sequence and position, in the batch's token order."""
-    seq_of_row, pos_of_row = [], []
-    for seq, (prefix, extend) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
-        seq_of_row += [seq] * extend
-        pos_of_row += range(prefix, prefix + extend)
-    return seq_of_row, pos_of_row
 
 
 class SparseMLA(MLA):
@@ -107,5 +99,7 @@ class SparseMLA(MLA):
         if inputs.selected is None:
             return super().core(inputs, batch)
         cache = batch.kv_pool.layer(self.layer_id)
-        out_latent = sparse_mla(self._absorb(inputs), inputs.q_rope, cache, inputs.selected, self.scale)
+        launch_rows = None if batch.launch_batch_size is None else batch.launch_batch_size * batch.tokens_per_seq
+        out_latent = sparse_mla(self._absorb(inputs), inputs.q_rope, cache, inputs.selected, self.scale,
+                                launch_rows=launch_rows if batch.mode is not ForwardMode.EXTEND else None)
         return self._unabsorb(out_latent).flatten(1)

@@ -62,15 +62,21 @@ def _decode_program(num_heads, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _split_bounds(kv_indptr, row, split, num_splits, BLOCK_N: tl.constexpr, Q_PER_SEQ: tl.constexpr):
+def _split_bounds(kv_indptr, kv_lens, row, split, num_splits, BLOCK_N: tl.constexpr, Q_PER_SEQ: tl.constexpr,
+                  HAS_LENS: tl.constexpr = False):
     """``(kv_start, lo, hi)``: where the row's sequence's slots start in ``kv_indices`` and the
     token range ``[lo, hi)`` of this split, whole ``BLOCK_N`` blocks (``hi <= lo`` for an empty
-    split). Row ``row`` is query ``row % Q_PER_SEQ`` of sequence ``row // Q_PER_SEQ``."""
+    split). Row ``row`` is query ``row % Q_PER_SEQ`` of sequence ``row // Q_PER_SEQ``. With
+    ``HAS_LENS`` a sequence has ``kv_lens[seq]`` slots from ``kv_indptr[seq]`` (the rest of its
+    room unused) instead of all up to ``kv_indptr[seq + 1]``."""
     seq = row
     if Q_PER_SEQ > 1:
         seq = row // Q_PER_SEQ
     kv_start = tl.load(kv_indptr + seq).to(tl.int64)
-    seq_len = (tl.load(kv_indptr + seq + 1) - kv_start).to(tl.int32)
+    if HAS_LENS:
+        seq_len = tl.load(kv_lens + seq).to(tl.int32)
+    else:
+        seq_len = (tl.load(kv_indptr + seq + 1) - kv_start).to(tl.int32)
     if Q_PER_SEQ > 1:  # the sequence's later queries are hidden from this one
         seq_len = tl.maximum(seq_len - (Q_PER_SEQ - 1 - row % Q_PER_SEQ).to(tl.int32), 0)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -119,18 +125,18 @@ def _store_split(acc, l_i, m_i, out_ptrs, lse_ptrs, head_ok, col_ok,
 
 @triton.jit
 def _mla_decode_split_kernel(
-    q_latent, q_rope, kv_cache, kv_indptr, kv_indices, out, lse,
+    q_latent, q_rope, kv_cache, kv_indptr, kv_indices, kv_lens, out, lse,
     num_heads, num_splits, qk_scale,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_kv,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, WS: tl.constexpr,
-    Q_PER_SEQ: tl.constexpr = 1,
+    Q_PER_SEQ: tl.constexpr = 1, HAS_LENS: tl.constexpr = False,
 ):
     """One (head block, query row, split): softmax-weighted latent over the split's tokens, each
     cache row gathered through ``kv_indices``. A row is a sequence, or with ``Q_PER_SEQ > 1`` one
-    of its queries (``_split_bounds``).
+    of its queries; ``kv_lens`` (with ``HAS_LENS``) as in ``_split_bounds``.
 
     ``out`` is ``[rows, H, splits, L]`` fp32 with ``lse [rows, H, splits]`` (log2 domain), or,
     with ``SINGLE_SPLIT``, the final ``[rows, H, L]`` output (``lse`` unused).
@@ -144,7 +150,7 @@ def _mla_decode_split_kernel(
                   mask=head_ok[:, None] & l_ok[None, :], other=0.0)  # [BLOCK_H, L]
     q_r = tl.load(q_rope + row * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
                   mask=head_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_H, R]
-    kv_start, lo, hi = _split_bounds(kv_indptr, row, split, num_splits, BLOCK_N, Q_PER_SEQ)
+    kv_start, lo, hi = _split_bounds(kv_indptr, kv_lens, row, split, num_splits, BLOCK_N, Q_PER_SEQ, HAS_LENS)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -217,7 +223,7 @@ def _mla_decode_paged_kernel(
     q_b = tl.load(q_row + HALF + offs_h[None, :], mask=head_ok[:, None], other=0.0)
     q_r = tl.load(q_rope + row * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
                   mask=head_ok[:, None], other=0.0)  # [BLOCK_H, R]
-    kv_start, lo, hi = _split_bounds(kv_indptr, row, split, num_splits, BLOCK_N, Q_PER_SEQ)
+    kv_start, lo, hi = _split_bounds(kv_indptr, kv_indptr, row, split, num_splits, BLOCK_N, Q_PER_SEQ)
     hi = tl.maximum(hi, lo)
     full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
 
@@ -434,12 +440,37 @@ def mla_verify(
     launch_rows = (launch_batch or rows // q_per_seq) * q_per_seq
     default = decode_config(launch_rows, num_heads, row_bytes, q_latent.device, page_size, hopper_kernel)
     cfg = _merge_config(default, config, DECODE_CONFIG_KEYS)
+    stage_1 = _stage_1(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, q_per_seq, page_size, cfg,
+                       hopper_kernel)
+    return _split_and_merge(q_latent, cfg["num_kv_splits"], stage_1)
+
+
+def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, selected: torch.Tensor,
+               scale: float, *, launch_rows: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """``moeserve.kernels.mla.sparse_mla`` on the GPU: each query row is a sequence of its own
+    whose slots are its row of ``selected [T, K]`` (the kept ones first, then ``-1``), read up to
+    its count of kept ones; no host sync. ``launch_rows`` (default T) sizes the splits as
+    ``launch_batch`` does for ``mla_decode``."""
+    rows, top = selected.shape
+    indptr = torch.arange(0, (rows + 1) * top, top, dtype=torch.int64, device=selected.device)
+    indices = selected.contiguous().view(-1)
+    _check_decode_inputs(q_latent, q_rope, kv_cache, indptr, indices)
+    _check_scale(scale)
+    row_bytes = kv_cache.shape[1] * kv_cache.element_size()
+    default = decode_config(launch_rows or rows, q_latent.shape[1], row_bytes, q_latent.device)
+    cfg = _merge_config(default, config, DECODE_CONFIG_KEYS)
+    lens = (selected >= 0).sum(dim=1, dtype=torch.int32)
+    stage_1 = functools.partial(_decode_splits, q_latent, q_rope, kv_cache, indptr, indices, scale, cfg, None, 1,
+                                kv_lens=lens)
+    return _split_and_merge(q_latent, cfg["num_kv_splits"], stage_1)
+
+
+def _split_and_merge(q_latent: torch.Tensor, splits: int, stage_1: functools.partial) -> torch.Tensor:
+    """Run stage 1 into the output (one split) or into fp32 partials that stage 2 merges."""
+    rows, num_heads, latent_dim = q_latent.shape
     out = q_latent.new_empty(rows, num_heads, latent_dim)
     if rows == 0 or num_heads == 0:
         return out
-    splits = cfg["num_kv_splits"]
-    stage_1 = _stage_1(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, q_per_seq, page_size, cfg,
-                       hopper_kernel)
     if splits == 1:  # stage 1 writes the final output; nothing to merge
         stage_1(out, (*out.stride()[:2], 0), out, (0, 0))
         return out
@@ -491,10 +522,11 @@ def _page_descriptors(kv_cache: torch.Tensor, latent_dim: int, page_size: int | 
 
 def _decode_splits(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
                    kv_indices: torch.Tensor, scale: float, cfg: dict, descriptors: tuple | None, q_per_seq: int,
-                   out: torch.Tensor, out_strides: tuple, lse: torch.Tensor, lse_strides: tuple) -> None:
+                   out: torch.Tensor, out_strides: tuple, lse: torch.Tensor, lse_strides: tuple,
+                   kv_lens: torch.Tensor | None = None) -> None:
     """Stage 1 into ``out`` (``[rows, H, splits, L]`` by ``out_strides``) and ``lse``
     (``[rows, H, splits]``), ``q_per_seq`` query rows a sequence, through the copy engine when
-    ``descriptors`` are given, by row gathers otherwise."""
+    ``descriptors`` are given, by row gathers otherwise (``kv_lens``: row gathers only)."""
     rows, num_heads, latent_dim = q_latent.shape
     rope_dim = q_rope.shape[-1]
     splits = cfg["num_kv_splits"]
@@ -512,10 +544,10 @@ def _decode_splits(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch
         )
         return
     _mla_decode_split_kernel[grid](
-        q_latent, q_rope, kv_cache, kv_indptr, kv_indices, out, lse,
+        q_latent, q_rope, kv_cache, kv_indptr, kv_indices, kv_lens if kv_lens is not None else kv_indptr, out, lse,
         num_heads, splits, scale * LOG2E, *q_strides, kv_cache.stride(0), *out_strides, *lse_strides,
         LATENT=latent_dim, ROPE=rope_dim, BLOCK_L=_dot_block(latent_dim), BLOCK_R=_dot_block(rope_dim),
-        WS=bool(cfg["WS"]), **common,
+        WS=bool(cfg["WS"]), HAS_LENS=kv_lens is not None, **common,
     )
 
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# DeepSeek-V3.2 (sparse attention) beside DeepSeek-V3 (dense MLA) on one GPU, in steps (JSON and
+# logs under $OUT):
+#
+#   OUT=/some/dir STEPS="tests decode prefill" bash tools/v32_gpu.sh
+#
+#   tests    the GPU tests of the indexer, sparse MLA, the MLA kernels and the V3.2 model
+#   decode   bench rank, one decode step (4 layers, FP8, EP72 share + 32 redundant) for both
+#            models at 32 x 4K, 256 x 4K, 256 x 32K and 32 x 128K sequences x cached tokens
+#   prefill  bench one-batch, one prompt of 4K, 32K and 128K tokens (4 layers, FP8, chunks of
+#            16K tokens) for both models
+# Run from the repository root with the machine's python3 (torch with CUDA, Triton).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+set -uo pipefail
+OUT="${OUT:-$PWD/tmp/v32_gpu}"
+REPEATS="${REPEATS:-10}"
+DECODE_SHAPES="${DECODE_SHAPES:-32x4096 256x4096 256x32768 32x131072}"
+PROMPTS="${PROMPTS:-4096 32768 131072}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/v32_gpu.log") 2>&1
+M="python3 -m moeserve.server.cli"
+status=0
+# shellcheck source=tools/step.sh
+source "$(dirname "$0")/step.sh"
+echo "=== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+for s in ${*:-${STEPS:-tests decode prefill}}; do
+    case $s in
+    tests)
+        step tests "${TESTS_LIMIT:-300}" python3 -m pytest -p no:cacheprovider -q -rfE -m gpu --durations=10 \
+            tests/kernels/test_indexer.py tests/models/test_v32.py tests/kernels/test_triton_mla.py ;;
+    decode)
+        for shape in $DECODE_SHAPES; do
+            for preset in dsv3 dsv32; do
+                step "decode-$preset-$shape" "${BENCH_LIMIT:-240}" $M bench rank --preset "$preset" --num-layers 4 \
+                    --quantization fp8 --role decode --ep-size 72 --redundant 32 --batch-per-rank "${shape%x*}" \
+                    --context "${shape#*x}" --repeats "$REPEATS" --json "$OUT/decode_${preset}_$shape.json"
+            done
+        done ;;
+    prefill)
+        for n in $PROMPTS; do
+            for preset in dsv3 dsv32; do
+                step "prefill-$preset-$n" "${BENCH_LIMIT:-240}" $M bench one-batch --preset "$preset" --num-layers 4 \
+                    --quantization fp8 --batch-size 1 --input-len "$n" --output-len 1 --max-prefill-tokens 16384 \
+                    --json "$OUT/prefill_${preset}_$n.json"
+            done
+        done ;;
+    *) echo "unknown step $s"; status=1 ;;
+    esac
+done
+exit $status
