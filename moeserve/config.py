@@ -262,6 +262,9 @@ class CacheConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
 
 
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running_requests: int = flag(256)
@@ -272,6 +275,8 @@ class SchedulerConfig:
     # here, not in ServerConfig: the ranks' schedulers, which alone know when a prefill starts, enforce it
     queue_timeout: float | None = flag(None, "fail (503) a request that waits more than this many seconds in the "
                                              "queue before its prefill starts (default: no limit)")
+    grammar_backend: str = flag("xgrammar", "the library that compiles structured-output grammars (JSON "
+                                            "schema, regex, EBNF)", choices=GRAMMAR_BACKENDS)
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:

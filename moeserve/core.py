@@ -34,6 +34,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0  # the stop tokens are held back until this many tokens are out
+    # constrained decoding (at most one; ``executor/grammar.py``): a JSON schema (as JSON text), a
+    # regular expression, or an EBNF grammar the output must match
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,8 +80,27 @@ class SamplingParams:
                "stop_token_ids", "must be non-negative integers")
         _check(self.seed is None or (_int(self.seed) and -2**63 <= self.seed < 2**63),
                "seed", f"must be a 64-bit signed integer, got {self.seed!r}")
+        bias = self.logit_bias or {}
+        _check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        _check(all(_int(t) and t >= 0 for t in bias), "logit_bias", "keys must be token ids (integers >= 0)")
+        _check(all(_finite(b) and -100 <= b <= 100 for b in bias.values()), "logit_bias",
+               "values must be numbers in [-100, 100]")
+        _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
+        grammars = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        _check(len(grammars) <= 1, grammars[-1] if grammars else "json_schema",
+               f"give at most one of json_schema, regex and ebnf; got {', '.join(grammars)}")
+        for name in grammars:
+            _check(isinstance(getattr(self, name), str) and 0 < len(getattr(self, name)) <= MAX_GRAMMAR_CHARS, name,
+                   f"must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
         for name in ("ignore_eos", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar holds the output (``executor/grammar.py``)."""
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +117,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_GRAMMAR_CHARS = 1 << 20
 
 
 def _int(x: object) -> bool:
@@ -176,6 +205,7 @@ class Req:
     # the prefix cache: ``page_table[:shared_pages]`` are its pages, pinned through the node it
     # locked for this request (``prefix_node``); ``cached_tokens`` of the prompt came from it
     prefix_node: Any = None
+    constraint: Any = None  # the grammar's matcher of a constrained request (``executor/grammar.py``)
     shared_pages: int = 0
     cached_tokens: int = 0
 

@@ -5,9 +5,11 @@ users expect:
 
 1. penalties on float32 logits: ``repetition_penalty`` (HF/CTRL, prompt + output tokens), then
    ``frequency_penalty`` and ``presence_penalty`` (OpenAI, output tokens only);
-2. logprobs from the penalized logits, before temperature and filtering;
-3. greedy rows (``params.greedy``) take the argmax;
-4. other rows: temperature, top-k, top-p, min-p, then one draw by inverse CDF with a uniform from
+2. ``logit_bias`` added, the stop tokens banned while ``min_tokens`` are not out, and every token
+   the row's grammar forbids banned (``executor/grammar.py``);
+3. logprobs from those logits, before temperature and filtering;
+4. greedy rows (``params.greedy``) take the argmax;
+5. other rows: temperature, top-k, top-p, min-p, then one draw by inverse CDF with a uniform from
    the row's own generator (or the default torch RNG), so a seeded request reproduces whatever
    else shares its batch.
 """
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from moeserve.core import SAMPLING_EPS, SamplingParams, TokenLogprob
+from moeserve.executor.grammar import Constraint, apply_grammars
 
 logger = logging.getLogger(__name__)
 _F32_MAX = torch.finfo(torch.float32).max
@@ -36,6 +39,8 @@ class SamplingInfo:
     generator: torch.Generator | None
     prompt_ids: list[int]
     output_ids: list[int]
+    banned: list[int] = field(default_factory=list)  # the stop tokens, while min_tokens are not out
+    constraint: Constraint | None = None  # the request's grammar matcher
 
 
 @dataclass
@@ -82,7 +87,7 @@ class Sampler:
         if not infos:
             return SampleOutput(next_ids=[], logprobs=[])
         # .float() may return the caller's tensor; everything below is out-of-place.
-        logits = apply_penalties(logits.float(), infos)  # [B, V]
+        logits = apply_controls(apply_penalties(logits.float(), infos), infos)  # [B, V]
         next_ids = torch.empty(len(infos), dtype=torch.long, device=logits.device)
         greedy = [i for i, info in enumerate(infos) if info.params.greedy]
         sampled = [i for i, info in enumerate(infos) if not info.params.greedy]
@@ -160,6 +165,32 @@ def _token_counts(id_lists: list[list[int]], vocab_size: int, device: torch.devi
     counts = torch.zeros(len(id_lists) * vocab_size, dtype=torch.float32, device=device)
     counts.scatter_add_(0, index, torch.ones(index.shape[0], dtype=torch.float32, device=device))
     return counts.view(len(id_lists), vocab_size)
+
+
+def apply_controls(logits: Tensor, infos: list[SamplingInfo]) -> Tensor:
+    """``logit_bias``, the ``min_tokens`` ban and the grammars' masks, on a copy of ``logits``
+    (``logits`` itself when no row has any)."""
+    biased = [i for i, info in enumerate(infos) if info.params.logit_bias or info.banned]
+    constrained = [info.constraint for info in infos]
+    if not biased and not any(constrained):
+        return logits
+    logits = logits.clone()
+    if biased:
+        rows, ids, values = [], [], []
+        for i in biased:
+            for token, bias in (infos[i].params.logit_bias or {}).items():
+                rows.append(i), ids.append(token), values.append(bias)
+        if rows:
+            logits.index_put_((_index(rows, logits.device), _index(ids, logits.device)),
+                              torch.tensor(values, dtype=logits.dtype).to(logits.device), accumulate=True)
+        rows = [i for i in biased for _ in infos[i].banned]
+        ids = [t for i in biased for t in infos[i].banned]
+        if rows:
+            logits.index_put_((_index(rows, logits.device), _index(ids, logits.device)),
+                              torch.tensor(float("-inf"), device=logits.device))
+    if any(constrained):
+        apply_grammars(logits, constrained)
+    return logits
 
 
 # ---------------------------------------------------------------------------------------------

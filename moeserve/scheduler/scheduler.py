@@ -13,6 +13,7 @@ import torch
 from moeserve.cache.prefix_cache import PrefixCache
 from moeserve.config import EngineConfig
 from moeserve.core import BootstrapInfo, DPInfo, FinishReason, Req, SamplingParams, ScheduleBatch
+from moeserve.executor.grammar import GrammarBackend
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.executor.sampler import SampleOutput, Sampler, SamplingInfo
 from moeserve.scheduler.decode import DecodeManager
@@ -95,6 +96,9 @@ class Scheduler:
         self._init_parts()
         self._init_role(role or MixedRole())
         self.sampler = Sampler()
+        hf = getattr(tokenizer, "hf", None)
+        self.grammar = None if hf is None else GrammarBackend(config.scheduler.grammar_backend, hf,
+                                                               config.model.vocab_size, self.eos_token_ids)
         self.ran_forward = False  # whether the last step ran a forward pass (an idle one too)
 
     def _init_parts(self) -> None:
@@ -126,6 +130,8 @@ class Scheduler:
         self._validate(prompt_ids, params)
         req = Req(rid, list(prompt_ids), params, bootstrap=bootstrap)
         self.role.validate(req)
+        if params.constrained:
+            req.constraint = self.grammar.constraint(params)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
         self.requests.add(req)
@@ -134,6 +140,17 @@ class Scheduler:
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         check_request(prompt_ids, params, self.config, self.runner.max_total_tokens, self.tokenizer is not None)
+
+    def sampling_info(self, req: Req) -> SamplingInfo:
+        """The sampler's view of ``req``: its stop tokens banned while ``min_tokens`` are not out, its
+        grammar's matcher having taken every output token (a first one from a prefill server too)."""
+        params = req.params
+        banned = []
+        if len(req.output_ids) < params.min_tokens:
+            banned = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+        if req.constraint is not None:
+            req.constraint.catch_up(req.output_ids)
+        return SamplingInfo(params, req.generator, req.prompt_ids, req.output_ids, banned, req.constraint)
 
     def abort(self, rid: str, message: str = "aborted") -> Req | None:
         """End a request wherever it is and free its pages; None if it is unknown or done."""
@@ -224,13 +241,18 @@ class Scheduler:
         done = [(i, s.req) for i, s in enumerate(batch.seqs) if s.completes_fill]
         if not done:
             return []
-        infos = [SamplingInfo(r.params, r.generator, r.prompt_ids, r.output_ids) for _, r in done]
+        infos = [self.sampling_info(r) for _, r in done]
         sampled = self.collectives.sample_sync(self.sampler.sample_isolated(logits[[i for i, _ in done]], infos))
         for k, (_, req) in enumerate(done):
             if k in sampled.errors:
                 self.fail(req, sampled.errors[k])
                 continue
             req.output_ids.append(sampled.next_ids[k])
+            if req.constraint is not None:
+                req.constraint.catch_up(req.output_ids)
+                if req.constraint.refused is not None:
+                    self.fail(req, f"the request's grammar refused token {req.constraint.refused}")
+                    continue
             if sampled.logprobs is not None and sampled.logprobs[k] is not None:
                 req.output_logprobs.append(sampled.logprobs[k])
             decodes_on = batch.mode.is_decode or self.role.after_prefill(req)
@@ -255,6 +277,8 @@ class Scheduler:
         params, token = req.params, req.output_ids[-1]
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             self.finish(req, FinishReason.STOP, self.detokenize(req, req.output_ids[:-1]))
+        elif req.constraint is not None and req.constraint.terminated:  # its grammar is done
+            self.finish(req, FinishReason.STOP, self.detokenize(req, req.output_ids))
         elif params.stop and (text := self._text_before_stop(req)) is not None:
             self.finish(req, FinishReason.STOP, text)
         elif len(req.output_ids) >= params.max_tokens or req.seq_len >= self.config.context_length:

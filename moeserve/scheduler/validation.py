@@ -1,10 +1,12 @@
 """Request validation that needs no model: the API process runs it before a response starts
-(so it imports neither the executor nor torch's model code), the scheduler again on arrival."""
+(so it imports no model code, and the grammar library only for a request with a grammar), the
+scheduler again on arrival."""
 
 from __future__ import annotations
 
 from moeserve.config import EngineConfig
 from moeserve.core import SamplingParams
+from moeserve.executor.grammar import GRAMMAR_FIELDS, check_grammar
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, config: EngineConfig, kv_capacity: int,
@@ -35,3 +37,13 @@ def check_request(prompt_ids: list[int], params: SamplingParams, config: EngineC
     bad = [t for t in params.stop_token_ids if t >= vocab]
     if bad:
         raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad[:5]}")
+    bad = [t for t in params.logit_bias or {} if t >= vocab]
+    if bad:
+        raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad[:5]}")
+    controls = [name for name in ("logit_bias", "min_tokens", *GRAMMAR_FIELDS) if getattr(params, name)]
+    if controls and config.spec.enabled:
+        raise ValueError(f"{controls[0]} is not supported with speculative decoding (--speculative-algorithm) yet")
+    if params.constrained:
+        if not has_tokenizer:
+            raise ValueError("structured outputs need a tokenizer, and this model folder has none")
+        check_grammar(params, config.scheduler.grammar_backend)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from moeserve.core import BootstrapInfo, SamplingParams, TokenLogprob
 from moeserve.server.engine_client import Chunk, Ticket
-from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, token_biases
 from moeserve.server.reasoning import ReasoningParser, Split
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ async def chat_jobs(state: ServerState, body: ChatCompletionRequest, ticket: Tic
             for c in range(body.n)]
 
 
-_NATIVE_NAMES = {"max_new_tokens": "max_tokens"}
+_NATIVE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 async def native_job(state: ServerState, body: GenerateRequest, ticket: Ticket) -> Job:
@@ -113,7 +114,11 @@ async def native_job(state: ServerState, body: GenerateRequest, ticket: Ticket) 
     settings.setdefault("max_tokens", 128)
     if body.return_logprob:
         settings["logprobs"] = body.top_logprobs_num
+    if isinstance(settings.get("json_schema"), dict):
+        settings["json_schema"] = json.dumps(settings["json_schema"])
     try:
+        if "logit_bias" in settings:
+            settings["logit_bias"] = token_biases(settings["logit_bias"])
         params = SamplingParams(**settings)
     except TypeError as exc:
         raise _api_error(f"sampling_params: {exc}") from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal
 
@@ -17,8 +18,7 @@ logger = logging.getLogger(__name__)
 NOT_HONOURED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "regex": (None,), "ebnf": (None,), "json_schema": (None,),
-    "logit_bias": (None, {}), "min_tokens": (None, 0), "priority": (None, 0),
+    "priority": (None, 0),
     "chat_template_kwargs": (None, {}), "reasoning_effort": (None,), "continue_final_message": (None, False),
     "suffix": (None, ""), "best_of": (None, 1), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "web_search_options": (None,),
@@ -70,6 +70,45 @@ class _BootstrapFields(BaseModel):
                              self.prefill_dp_rank)
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always matches the schema here
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+    def schema_text(self) -> str:
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        return json.dumps(self.json_schema.json_schema)
+
+
+def token_biases(bias: dict[str, float] | dict[int, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON's string keys) with integer keys."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except (TypeError, ValueError) as exc:
+        raise ValueError("logit_bias keys must be token ids") from exc
+
+
 class _SamplingFields(_BootstrapFields):
     """Fields shared by completions and chat completions."""
 
@@ -97,10 +136,30 @@ class _SamplingFields(_BootstrapFields):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    # structured outputs: OpenAI's response_format, or SGLang's fields (at most one of them all)
+    response_format: ResponseFormat | None = None
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def grammar(self) -> dict[str, str]:
+        """The grammar field of ``SamplingParams`` this request asks for, if any."""
+        given = {name: getattr(self, name) for name in ("json_schema", "regex", "ebnf") if getattr(self, name)}
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if given:
+                raise ValueError(f"response_format and {next(iter(given))} both constrain the output: give one")
+            given = {"json_schema": fmt.schema_text()}
+        if isinstance(given.get("json_schema"), dict):
+            given["json_schema"] = json.dumps(given["json_schema"])
+        return given
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
         return SamplingParams(
+            logit_bias=token_biases(self.logit_bias), min_tokens=self.min_tokens, **self.grammar(),
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=None if self.seed is None else self.seed + choice,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,

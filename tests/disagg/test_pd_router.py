@@ -27,6 +27,9 @@ PROMPTS = ["The capital of", "Once upon a time there was a very long story about
 HETERO_PREFILL = ["--tp-size", "2", "--moe-a2a-backend", "torch", "--deepep-mode", "normal"]
 HETERO_DECODE = ["--tp-size", "4", "--dp-size", "4", "--enable-dp-attention", "--moe-a2a-backend", "torch",
                  "--deepep-mode", "low_latency"]
+CONSTRAINED = [{"regex": r"(yes|no), [a-z]{2,6}\."},
+               {"json_schema": '{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, '
+                               '"maximum": 999}}, "required": ["n"], "additionalProperties": false}'}]
 BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not backend_available(b), reason=f"{b} cannot be imported"))
             for b in ("torch", "nixl", "mooncake")]
 
@@ -79,6 +82,13 @@ def _check_answers(router_url: str, offline) -> None:
     r = httpx.post(f"{router_url}/generate", timeout=60, json={
         "input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
     assert r.status_code == 200 and r.json()["output_ids"] == _greedy(offline, ids, 8).token_ids
+    for grammar in CONSTRAINED:  # the prefill server samples the first token under the grammar, decode the rest
+        want = offline.generate([ids], SamplingParams(max_tokens=40, temperature=0, **grammar), use_tqdm=False)[0]
+        assert want.finish_reason == "stop" and want.text.startswith(("yes", "no", "{"))
+        for _ in range(2):  # each pair in turn
+            r = httpx.post(f"{router_url}/generate", timeout=60, json={
+                "input_ids": ids, "sampling_params": {"max_new_tokens": 40, "temperature": 0, **grammar}})
+            assert r.status_code == 200 and r.json()["output_ids"] == want.token_ids, r.text
     messages = [{"role": "user", "content": "What is 2+2?"}]
     chat_ids = offline.tokenizer.apply_chat_template(messages)
     chat = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0, n=2,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from moeserve import LLM, SamplingParams
@@ -234,12 +237,6 @@ NOT_HONOURED = [
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     ("tools", {"tools": "not-a-list"}),
     ("tool_choice", {"tool_choice": "required"}),
-    ("response_format", {"response_format": {"type": "json_object"}}),
-    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
-    ("regex", {"regex": "[a-z]+"}),
-    ("ebnf", {"ebnf": 'root ::= "a"'}),
-    ("logit_bias", {"logit_bias": {"5": 10}}),
-    ("min_tokens", {"min_tokens": 3}),
     ("priority", {"priority": 2}),
     ("chat_template_kwargs", {"chat_template_kwargs": {"thinking": True}}),
     ("reasoning_effort", {"reasoning_effort": "high"}),
@@ -328,3 +325,110 @@ def test_bench_serving_against_the_server(server, tmp_path):
     assert summary["total_output_tokens"] == sum(r["output_len"] for r in
                                                  json.loads((tmp_path / "bench.json").read_text())["requests"])
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- structured outputs and logit controls (a random tiny model: only the grammar makes the shape)
+class Person(pydantic.BaseModel):
+    # a pattern, not max_length: xgrammar 0.2.9 lets control characters into a string with maxLength
+    name: str = pydantic.Field(pattern=r"^[A-Za-z]{1,8}$")
+    age: int = pydantic.Field(ge=0, le=120)
+    mood: Literal["happy", "sad"]
+
+
+PERSON_SCHEMA = Person.model_json_schema()
+REGEX = r"(yes|no), because [a-z]{1,8}\."
+EBNF = 'root ::= "answer: " ("yes" | "no") " (" [0-9] [0-9]? "%)"'
+
+
+def test_chat_completions_parse_returns_a_valid_object(client):
+    for seed in range(3):
+        out = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": f"Who? {seed}"}],
+                                            response_format=Person, max_tokens=80, temperature=1.0, seed=seed)
+        person = out.choices[0].message.parsed
+        assert isinstance(person, Person), out.choices[0].message.content
+        assert out.choices[0].finish_reason == "stop"
+
+
+def test_json_schema_regex_and_ebnf_outputs_match_while_plain_requests_stay_greedy(server, client, offline):
+    """Constrained and unconstrained requests run in one batch: the constrained ones match their
+    grammars, the plain ones give the offline engine's greedy text."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = f"{server.base_url}/v1/chat/completions"
+    expected = _greedy(offline, PROMPTS)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    constrained = [({"response_format": fmt}, lambda t: Person.model_validate_json(t)),
+                   ({"response_format": {"type": "json_object"}}, None),
+                   ({"json_schema": json.dumps(PERSON_SCHEMA)}, lambda t: Person.model_validate_json(t)),
+                   ({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t) or pytest.fail(t)),
+                   ({"ebnf": EBNF}, lambda t: re.fullmatch(r"answer: (yes|no) \([0-9]{1,2}%\)", t) or pytest.fail(t))]
+
+    async def go():
+        async with httpx.AsyncClient(timeout=120, headers=headers) as http:
+            plain = [http.post(f"{server.base_url}/v1/completions", json={
+                "model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True}) for p in PROMPTS]
+            shaped = [http.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": "Go"}],
+                                           "max_tokens": 80, "temperature": 0.8, "seed": 3, **extra})
+                      for extra, _ in constrained]
+            return await asyncio.gather(*plain, *shaped)
+
+    replies = asyncio.run(go())
+    assert [r.json()["choices"][0]["text"] for r in replies[:len(PROMPTS)]] == expected
+    for (extra, check), r in zip(constrained, replies[len(PROMPTS):]):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", (extra, choice)
+        if check is None:
+            assert isinstance(json.loads(choice["message"]["content"]), dict)
+        else:
+            check(choice["message"]["content"])
+
+
+def test_native_generate_takes_sglangs_grammar_fields(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for field, value, check in [("regex", REGEX, lambda t: re.fullmatch(REGEX, t)),
+                                ("ebnf", EBNF, lambda t: t.startswith("answer: ")),
+                                ("json_schema", json.dumps(PERSON_SCHEMA), Person.model_validate_json)]:
+        r = httpx.post(f"{server.base_url}/generate", headers=headers, json={
+            "text": "Q:", "sampling_params": {"max_new_tokens": 80, "temperature": 0, field: value}})
+        assert r.status_code == 200, r.text
+        assert check(r.json()["text"]), (field, r.json()["text"])
+
+
+def test_logit_bias_and_min_tokens(server, client, offline):
+    eos = offline.tokenizer.eos_token_id
+    favourite = offline.tokenizer.encode("x", add_special_tokens=False)[-1]
+    out = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0,
+                                    logit_bias={str(favourite): 100})
+    assert out.choices[0].text == offline.tokenizer.decode([favourite] * 6)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for min_tokens in (0, 4):  # the end token pushed up: it comes first unless min_tokens hold it back
+        r = httpx.post(f"{server.base_url}/generate", headers=headers, json={
+            "text": "abc", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "min_new_tokens": min_tokens,
+                                               "logit_bias": {str(eos): 100}}})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["output_ids"]) == min_tokens + 1 and r.json()["output_ids"][-1] == eos, r.json()
+
+
+BAD_CONTROLS = [
+    ("regex", {"regex": "[a-"}),
+    ("json_schema", {"json_schema": "{not json"}),
+    ("json_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}),
+    ("ebnf", {"ebnf": "root ::= ("}),
+    ("response_format", {"response_format": {"type": "json_schema"}}),
+    ("response_format", {"response_format": {"type": "xml"}}),
+    ("regex", {"regex": "a+", "ebnf": 'root ::= "a"'}),
+    ("response_format", {"regex": "a+", "response_format": {"type": "json_object"}}),
+    ("logit_bias", {"logit_bias": {"5": 1000}}),
+    ("logit_bias", {"logit_bias": {"not-a-token": 1}}),
+    ("logit_bias", {"logit_bias": {"99999999": 1}}),
+    ("min_tokens", {"min_tokens": 5, "max_tokens": 2}),
+]
+
+
+@pytest.mark.parametrize("field, extra", BAD_CONTROLS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_CONTROLS)])
+def test_a_bad_grammar_or_bias_is_a_400_naming_its_field(server, field, extra):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=headers, json=body)
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
