@@ -606,6 +606,9 @@ class ServerConfig:
                                            "tokenizer's")
     reasoning_parser: str | None = flag(None, "split chat completions into reasoning_content and content by the "
                                               "model's thinking tags", choices=("deepseek-r1",))
+    tool_call_parser: str | None = flag(None, "parse tool calls out of chat completions in this DeepSeek format "
+                                              "(chat requests with tools need it)",
+                                        choices=("deepseekv3", "deepseekv31", "deepseekv32"))
     # accepted so that SGLang's launch lines start; each says in the log what it means here
     trust_remote_code: bool = flag(False, "accepted for SGLang's launch lines: moeserve runs no code from the "
                                           "checkpoint")

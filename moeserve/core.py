@@ -33,6 +33,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # the logprob of every prompt token after the first, with this many alternatives (vLLM's name;
+    # OpenAI's echo + logprobs, lm-eval's loglikelihood); the prefix cache is skipped for them
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
@@ -68,8 +71,10 @@ class SamplingParams:
         low, high = REPETITION_PENALTY_RANGE
         _check(_finite(self.repetition_penalty) and low <= self.repetition_penalty <= high,
                "repetition_penalty", f"must be in [{low}, {high}], got {self.repetition_penalty!r}")
-        _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_int(value) and 0 <= value <= MAX_LOGPROBS),
+                   name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"has {len(self.stop)} strings, at most "
                f"{MAX_STOP_STRINGS} are allowed")
         _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH for s in self.stop),
@@ -190,6 +195,8 @@ class Req:
     arrival: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with params.prompt_logprobs: entry i is prompt token i's (None for the first), as computed so far
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)
     kv_len: int = 0
     status: ReqStatus = ReqStatus.WAITING

@@ -32,6 +32,7 @@ class RequestOutput:
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 class LLM:
@@ -183,5 +184,6 @@ def _output(req: Req) -> RequestOutput:
         prompt_token_ids=req.prompt_ids, text=req.text, token_ids=list(req.output_ids),
         finish_reason=req.finish_reason.value,
         logprobs=req.output_logprobs if req.params.logprobs is not None else None,
+        prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         cached_tokens=req.cached_tokens,
     )

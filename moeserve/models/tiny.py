@@ -23,14 +23,34 @@ from moeserve.models.checkpoint import INDEX_FILE
 
 BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 
-# DeepSeek-V3's template without tool calls: bos, system text, then User/Assistant turns.
+# DeepSeek-V3's template: bos, system text, then User/Assistant turns; with tools, their list after
+# the system text and the V3 call format (``--tool-call-parser deepseekv3``), calls in assistant turns
+# and tool results in V3's tags. Without tools the text is DeepSeek-V3's.
+CALLS = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+OUTPUTS = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages %}{%- if message['role'] == 'system' %}{{ message['content'] }}{%- endif %}"
     "{%- endfor %}"
+    "{%- if tools %}{{ '\n\n## Tools\nYou can call these functions:' }}"
+    "{%- for tool in tools %}{{ '\n### ' + tool['function']['name'] + '\n' }}"
+    "{{ (tool['function']['description'] or '') + '\nParameters: ' + (tool['function']['parameters'] | tojson) }}"
+    "{%- endfor %}"
+    "{{ '\nA call is written ' + '" + CALLS[0] + CALLS[2] + "function" + CALLS[4] + "NAME\\n```json\\nARGUMENTS"
+    "\\n```" + CALLS[3] + CALLS[1] + "' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'user' %}{{ '" + USER + "' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '" + ASSISTANT + "' + (message['content'] or '') + '" + CALLS[0] + "' }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set args = call['function']['arguments'] %}"
+    "{{ '" + CALLS[2] + "function" + CALLS[4] + "' + call['function']['name'] + '\n```json\n' }}"
+    "{{ (args if args is string else args | tojson) + '\n```" + CALLS[3] + "' }}"
+    "{%- endfor %}{{ '" + CALLS[1] + EOS + "' }}"
     "{%- elif message['role'] == 'assistant' %}{{ '" + ASSISTANT + "' + message['content'] + '" + EOS + "' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{ '" + OUTPUTS[0] + OUTPUTS[2] + "' + message['content'] + '" + OUTPUTS[3] + OUTPUTS[1] + "' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{%- endif %}"
@@ -153,7 +173,8 @@ def write_tiny_tokenizer(out_dir: str) -> Any:
 
 
 def _byte_level_bpe() -> Any:
-    """GPT-2 style byte-level BPE: bos=0, eos=1, the 256 bytes, a few merges, then User/Assistant."""
+    """GPT-2 style byte-level BPE: bos=0, eos=1, the 256 bytes, a few merges, then User/Assistant
+    and the tool-call tags."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {BOS: 0, EOS: 1}
@@ -165,6 +186,8 @@ def _byte_level_bpe() -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (BOS, EOS, USER, ASSISTANT)])
+    # the tool-call tags, one token each as in DeepSeek's tokenizers (kept in decoded text)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (*CALLS, *OUTPUTS)])
     # DeepSeek's tokenizers prepend bos when asked for special tokens, and nothing else.
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 0)]

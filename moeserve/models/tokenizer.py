@@ -83,11 +83,14 @@ class Tokenizer:
         # The template writes bos itself; letting encode add another would double it.
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """``messages`` as the text of the folder's chat template (encode it without special tokens)."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
+        """``messages`` as the text of the folder's chat template (encode it without special tokens);
+        ``tools`` and ``template_kwargs`` (a request's ``chat_template_kwargs``) go to the template."""
         if not self.hf.chat_template:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json has no 'chat_template')")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           tools=tools or None, **template_kwargs)
 
 
 class IncrementalDetokenizer:

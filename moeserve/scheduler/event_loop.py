@@ -300,6 +300,8 @@ class EngineLoop:
                           cached_tokens=req.cached_tokens)
         if req.params.logprobs is not None:
             out.new_logprobs = req.output_logprobs[sent:]
+        if req.params.prompt_logprobs is not None and sent == 0 and (req.output_ids or req.finished):
+            out.prompt_logprobs = req.prompt_logprobs
         if req.finished:
             self._sent.pop(req.rid, None)
             out.finish_reason, out.text = req.finish_reason.value, req.text

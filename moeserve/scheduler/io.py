@@ -67,6 +67,7 @@ class TokenOutput(msgspec.Struct, tag="tokens"):
     error_status: int = 400
     prompt_len: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first tokens, when asked for
 
 
 class TokenBatch(msgspec.Struct, tag="batch"):

@@ -98,6 +98,8 @@ class RankedEngine:
         req.output_ids += out.new_ids
         req.cached_tokens = out.cached_tokens
         req.output_logprobs += out.new_logprobs
+        if out.prompt_logprobs is not None:
+            req.prompt_logprobs = out.prompt_logprobs
         if out.finish_reason is None:
             return False
         req.text = out.text or ""

@@ -45,7 +45,7 @@ def reuse_prefix(pages: PagePool, req: Req) -> None:
     the longest whole-page prefix of its tokens, pinned for it, and start its prefill past them. At
     least one token is left to compute: the step samples from its logits."""
     cache = pages.cache
-    if cache is None or req.page_table:
+    if cache is None or req.page_table or req.params.prompt_logprobs is not None:  # every logit is wanted
         return
     match = cache.match(req.fill_slice(0, req.seq_len - 1))
     if match.pages:

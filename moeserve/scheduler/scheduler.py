@@ -12,7 +12,7 @@ import torch
 
 from moeserve.cache.prefix_cache import PrefixCache
 from moeserve.config import EngineConfig
-from moeserve.core import BootstrapInfo, DPInfo, FinishReason, Req, SamplingParams, ScheduleBatch
+from moeserve.core import BootstrapInfo, DPInfo, FinishReason, Req, SamplingParams, ScheduleBatch, TokenLogprob
 from moeserve.executor.grammar import GrammarBackend
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.executor.sampler import SampleOutput, Sampler, SamplingInfo
@@ -204,7 +204,11 @@ class Scheduler:
         if anyone and self.spec is not None:
             changed += self.spec.run(batch, dp)
         elif anyone:
-            logits = self.runner.forward(batch, dp=dp)
+            wants_prompt = batch is not None and not batch.mode.is_decode and any(
+                s.req.params.prompt_logprobs is not None for s in batch.seqs)
+            logits = self.runner.forward(batch, all_logits=wants_prompt, dp=dp)
+            if wants_prompt:
+                logits = self._take_prompt_logprobs(batch, logits)
             if batch is not None:
                 changed += self.process(batch, logits)
         self.role.end_step()
@@ -263,6 +267,35 @@ class Scheduler:
                 logger.exception("request %s failed after sampling", req.rid)
                 self.fail(req, f"{type(exc).__name__}: {exc}")
         return [req for _, req in done]
+
+    def _take_prompt_logprobs(self, batch: ScheduleBatch, logits: torch.Tensor) -> torch.Tensor:
+        """From the logits of every new token ``[T, V]``: the prompt logprobs of the sequences that
+        ask for them (the logits at position ``p`` give token ``p + 1``'s), each position once
+        however often it is prefilled (retraction); the logits of each sequence's last token."""
+        ends = torch.tensor([s.end - s.start for s in batch.seqs]).cumsum(0)
+        offset = 0
+        for seq, end in zip(batch.seqs, ends.tolist()):
+            req, rows = seq.req, slice(offset, end)
+            offset = end
+            top = req.params.prompt_logprobs
+            if top is None:
+                continue
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)  # the first token has no context
+            first = len(req.prompt_logprobs) - 1  # the first position whose next token has none yet
+            targets = [(p - seq.start, p + 1) for p in range(max(seq.start, first), seq.end)
+                       if p + 1 < len(req.prompt_ids)]
+            if not targets:
+                continue
+            picked = logits[rows][[i for i, _ in targets]]
+            ids = [req.prompt_ids[p] for _, p in targets]
+            logprobs = torch.log_softmax(picked.float(), dim=-1)
+            chosen = logprobs.gather(1, torch.tensor(ids, device=logprobs.device)[:, None]).squeeze(1).tolist()
+            best_v, best_i = logprobs.topk(max(top, 1), dim=-1) if top else (None, None)
+            for k, (token, value) in enumerate(zip(ids, chosen)):
+                alts = list(zip(best_i[k].tolist(), best_v[k].tolist())) if top else []
+                req.prompt_logprobs.append(TokenLogprob(token, value, alts))
+        return logits[(ends - 1).to(logits.device)]
 
     def fail(self, req: Req, message: str, status: int = 500) -> None:
         """End a request that the engine could not run, wherever it is; its pages are freed.

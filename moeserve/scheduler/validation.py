@@ -40,9 +40,13 @@ def check_request(prompt_ids: list[int], params: SamplingParams, config: EngineC
     bad = [t for t in params.logit_bias or {} if t >= vocab]
     if bad:
         raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad[:5]}")
-    controls = [name for name in ("logit_bias", "min_tokens", *GRAMMAR_FIELDS) if getattr(params, name)]
+    controls = [name for name in ("logit_bias", "min_tokens", "prompt_logprobs", *GRAMMAR_FIELDS)
+                if getattr(params, name) not in (None, 0, {})]
     if controls and config.spec.enabled:
         raise ValueError(f"{controls[0]} is not supported with speculative decoding (--speculative-algorithm) yet")
+    if params.prompt_logprobs is not None and (config.disagg.enabled or config.parallel.dp_size > 1):
+        raise ValueError("prompt_logprobs (echo with logprobs) is not supported on disaggregated servers or with "
+                         "DP attention yet")
     if params.constrained:
         if not has_tokenizer:
             raise ValueError("structured outputs need a tokenizer, and this model folder has none")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -75,11 +76,13 @@ class ServerState:
         self.check_text_length(prompt)
         return await self.off_loop(len(prompt), tokenizer.encode, prompt)
 
-    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
         tokenizer = self.text_tokenizer()
-        size = sum(len(m["content"]) for m in messages)
+        size = sum(len(m["content"] or "") for m in messages)
         try:
-            text = await self.off_loop(size, tokenizer.render_chat, messages)
+            text = await self.off_loop(size, functools.partial(tokenizer.render_chat, messages, True, tools,
+                                                               **(template_kwargs or {})))
         except Exception as exc:  # the template refused the conversation (roles, order …)
             raise APIError(400, f"messages: {exc}") from exc
         self.check_text_length(text)

@@ -81,6 +81,7 @@ class Chunk:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first chunk, when asked for
 
 
 @dataclass
@@ -232,7 +233,8 @@ class EngineClient:
         self._record_timing(req, len(out.new_ids), out.finish_reason)
         req.num_tokens += len(out.new_ids)
         text = self._text_delta(req, out)
-        return Chunk(text, out.new_ids, out.new_logprobs, out.finish_reason, out.prompt_len, out.cached_tokens)
+        return Chunk(text, out.new_ids, out.new_logprobs, out.finish_reason, out.prompt_len, out.cached_tokens,
+                     out.prompt_logprobs)
 
     def _text_delta(self, req: _Request, out: TokenOutput) -> str:
         if req.detok is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -14,6 +15,7 @@ from moeserve.core import BootstrapInfo, SamplingParams, TokenLogprob
 from moeserve.server.engine_client import Chunk, Ticket
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, token_biases
 from moeserve.server.reasoning import ReasoningParser, Split
+from moeserve.server.tool_calls import ToolCallDelta, ToolCallParser, call_grammar
 
 if TYPE_CHECKING:
     from moeserve.server.api import ServerState
@@ -44,6 +46,17 @@ class Result:
     reasoning: str = ""
     content: str = ""
     reasoning_tokens: int = 0
+    tools: ToolCallParser | None = None  # with tools: the calls parsed out of the content
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class Piece:
+    """What a chunk adds to a chat choice: reasoning, content and tool-call deltas."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 def _api_error(message: str) -> Exception:
@@ -71,16 +84,33 @@ def completion_places(body: CompletionRequest) -> int:
 
 
 async def completion_jobs(state: ServerState, body: CompletionRequest, ticket: Ticket) -> list[Job]:
-    if body.echo:
-        raise _api_error("echo is not supported")
     jobs = []
+    scoring_only = body.echo and body.max_tokens == 0  # the prompt's logprobs, nothing generated
     for p_index, prompt in enumerate(_prompt_list(body.prompt)):
         ids = await state.encode(prompt)
         for choice in range(body.n):
-            params = _params(state, body, ids, body.max_tokens, body.logprobs, choice)
+            params = _params(state, body, ids, 1 if scoring_only else body.max_tokens, body.logprobs, choice)
+            if body.echo and body.logprobs is not None:
+                params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+                state.check(ids, params)
             index = p_index * body.n + choice
             jobs.append(Job(index, p_index, ids, params, ticket, state.bootstrap(body, index)))
     return jobs
+
+
+def _echoed(state: ServerState, body: CompletionRequest, job: Job, result: Result) -> Result:
+    """``echo``: the prompt's text (and, with ``logprobs``, its logprobs: none for its first
+    token) before the completion's; with ``max_tokens: 0`` the completion left out."""
+    if not body.echo:
+        return result
+    prompt = _prompt_list(body.prompt)[job.prompt_index]
+    text = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt, False) if state.tokenizer else ""
+    out = dataclasses.replace(result, text=text + result.text, logprobs=[*(result.prompt_logprobs or []),
+                                                                         *result.logprobs])
+    if body.max_tokens == 0:
+        out = dataclasses.replace(out, text=text, logprobs=list(result.prompt_logprobs or []), token_ids=[],
+                                  finish_reason="length")
+    return out
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:
@@ -96,11 +126,41 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
 async def chat_jobs(state: ServerState, body: ChatCompletionRequest, ticket: Ticket) -> list[Job]:
     if state.tokenizer is None:
         raise _api_error("this model has no tokenizer, so it has no chat template")
-    ids = await state.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    mode, parser = body.tool_mode, state.server.tool_call_parser
+    if mode != "none" and parser is None:
+        raise _api_error("tools need the server started with --tool-call-parser (deepseekv3, deepseekv31, "
+                         "deepseekv32); or send tool_choice: none")
+    ids = await state.encode_chat([m.for_template() for m in body.messages], tools, body.chat_template_kwargs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return [Job(c, 0, ids, _params(state, body, ids, max_tokens, logprobs, c), ticket, state.bootstrap(body, c))
-            for c in range(body.n)]
+    jobs = []
+    for c in range(body.n):
+        params = _params(state, body, ids, max_tokens, logprobs, c)
+        if mode != "none":  # the format's tags may be special tokens: keep them for the parser
+            params = dataclasses.replace(params, skip_special_tokens=False, **_tool_grammar(state, body, tools))
+            state.check(ids, params)
+        jobs.append(Job(c, 0, ids, params, ticket, state.bootstrap(body, c)))
+    return jobs
+
+
+def _tool_grammar(state: ServerState, body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str, str]:
+    """``tool_choice`` required or named: a grammar that makes the output a valid call."""
+    mode = body.tool_mode
+    if mode not in ("required", "named"):
+        return {}
+    if body.grammar():
+        raise _api_error(f"tool_choice {mode} and {next(iter(body.grammar()))} both constrain the output: give one")
+    if state.engine.scheduler.grammar_backend != "xgrammar":
+        raise _api_error(f"tool_choice {mode} needs the server's --grammar-backend xgrammar")
+    try:
+        return {"ebnf": call_grammar(state.server.tool_call_parser, tools,
+                                     body.tool_choice.name if mode == "named" else None,
+                                     several=mode == "required" and body.parallel_tool_calls)}
+    except ValueError as exc:
+        raise _api_error(f"tool_choice: {exc}") from exc
+    except Exception as exc:  # xgrammar could not take a function's parameters schema
+        raise _api_error(f"tools: a function's parameters could not be compiled: {exc}") from exc
 
 
 _NATIVE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -114,6 +174,8 @@ async def native_job(state: ServerState, body: GenerateRequest, ticket: Ticket) 
     settings.setdefault("max_tokens", 128)
     if body.return_logprob:
         settings["logprobs"] = body.top_logprobs_num
+        if body.logprob_start_len >= 0:
+            settings["prompt_logprobs"] = body.top_logprobs_num
     if isinstance(settings.get("json_schema"), dict):
         settings["json_schema"] = json.dumps(settings["json_schema"])
     try:
@@ -136,31 +198,48 @@ async def collect(chunks: AsyncIterator[Chunk], result: Result | None = None) ->
     return result
 
 
-def _add(result: Result, chunk: Chunk) -> Split | None:
-    """Add ``chunk`` to ``result``; with a reasoning parser, what of it is reasoning and what answer."""
+def _add(result: Result, chunk: Chunk) -> Piece | None:
+    """Add ``chunk`` to ``result``; with a reasoning or tool-call parser, what of it is reasoning,
+    what answer and what tool calls (None: no parser, all of it is text)."""
     result.text += chunk.text
     result.token_ids += chunk.token_ids
     result.logprobs += chunk.logprobs
     result.finish_reason = chunk.finish_reason
     result.prompt_tokens = chunk.prompt_tokens
     result.cached_tokens = chunk.cached_tokens
-    if result.parser is None:
+    if chunk.prompt_logprobs is not None:
+        result.prompt_logprobs = chunk.prompt_logprobs
+    if result.parser is None and result.tools is None:
         return None
-    if result.parser.in_reasoning:  # the tokens that close the reasoning count as reasoning too
-        result.reasoning_tokens += len(chunk.token_ids)
-    split = result.parser.feed(chunk.text)
-    if chunk.finish_reason is not None:
-        rest = result.parser.finish()
-        split = Split(split.reasoning + rest.reasoning, split.content + rest.content)
-    result.reasoning += split.reasoning
-    result.content += split.content
-    return split
+    split = Split("", chunk.text)
+    if result.parser is not None:
+        if result.parser.in_reasoning:  # the tokens that close the reasoning count as reasoning too
+            result.reasoning_tokens += len(chunk.token_ids)
+        split = result.parser.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            rest = result.parser.finish()
+            split = Split(split.reasoning + rest.reasoning, split.content + rest.content)
+    piece = Piece(split.reasoning, split.content)
+    if result.tools is not None:
+        parsed = result.tools.feed(split.content)
+        if chunk.finish_reason is not None:
+            parsed += result.tools.finish()
+            if result.tools.calls and chunk.finish_reason == "stop":
+                result.finish_reason = "tool_calls"
+        piece.content, piece.calls = parsed.content, parsed.calls
+    result.reasoning += piece.reasoning
+    result.content += piece.content
+    return piece
 
 
 def new_result(state: ServerState, body: Any) -> Result:
-    """A result to collect into: split by ``--reasoning-parser`` unless the request asks not to."""
+    """A result to collect into: split by ``--reasoning-parser`` unless the request asks not to,
+    with the tool calls parsed out when the request has tools."""
     name = state.server.reasoning_parser
-    return Result(parser=ReasoningParser(name) if name and getattr(body, "separate_reasoning", False) else None)
+    tools = (ToolCallParser(state.server.tool_call_parser)
+             if getattr(body, "tool_mode", "none") != "none" and state.server.tool_call_parser else None)
+    return Result(parser=ReasoningParser(name) if name and getattr(body, "separate_reasoning", False) else None,
+                  tools=tools)
 
 
 async def run_all(state: ServerState, jobs: list[Job], body: Any = None) -> list[Result]:
@@ -223,23 +302,26 @@ def _token_str(state: ServerState, token_id: int) -> str:
 
 
 # ---- completions ---------------------------------------------------------------------------
-def _completion_logprobs(state: ServerState, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+def _completion_logprobs(state: ServerState, logprobs: list[TokenLogprob | None],
+                         prompt_ids: list[int] = ()) -> dict[str, Any]:
+    """OpenAI's legacy logprobs; an echoed prompt's first token (``None``) has no logprob."""
+    ids = [prompt_ids[0] if lp is None else lp.token_id for lp in logprobs]
     return {
-        "tokens": [_token_str(state, lp.token_id) for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{_token_str(state, t): v for t, v in lp.top} for lp in logprobs],
+        "tokens": [_token_str(state, i) for i in ids],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+        "top_logprobs": [None if lp is None else {_token_str(state, t): v for t, v in lp.top} for lp in logprobs],
     }
 
 
-def _completion_choice(state: ServerState, body: CompletionRequest, index: int, text: str,
-                       logprobs: list[TokenLogprob], finish: str | None) -> dict[str, Any]:
-    lp = _completion_logprobs(state, logprobs) if body.logprobs is not None else None
-    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+def _completion_choice(state: ServerState, body: CompletionRequest, job: Job, text: str,
+                       logprobs: list[TokenLogprob | None], finish: str | None) -> dict[str, Any]:
+    lp = _completion_logprobs(state, logprobs, job.prompt_ids) if body.logprobs is not None else None
+    return {"index": job.index, "text": text, "logprobs": lp, "finish_reason": finish}
 
 
 async def completion_response(state: ServerState, body: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
-    results = await run_all(state, jobs)
-    choices = [_completion_choice(state, body, j.index, r.text, r.logprobs, r.finish_reason)
+    results = [_echoed(state, body, j, r) for j, r in zip(jobs, await run_all(state, jobs))]
+    choices = [_completion_choice(state, body, j, r.text, r.logprobs, r.finish_reason)
                for j, r in zip(jobs, results)]
     return {**_header("text_completion", state, "cmpl"), "choices": choices, "usage": _usage(jobs, results)}
 
@@ -248,8 +330,16 @@ async def stream_completion(state: ServerState, body: CompletionRequest, jobs: l
     header = _header("text_completion", state, "cmpl")
     results = [Result() for _ in jobs]
     async for job, chunk in merged(state, jobs):
+        first = not results[job.index].token_ids
         _add(results[job.index], chunk)
-        choice = _completion_choice(state, body, job.index, chunk.text, chunk.logprobs, chunk.finish_reason)
+        part = Result(text=chunk.text, logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs)
+        if first:  # the echoed prompt comes before the first tokens
+            part = _echoed(state, body, job, part)
+        elif body.echo and body.max_tokens == 0:
+            continue
+        choice = _completion_choice(state, body, job, part.text, part.logprobs,
+                                    chunk.finish_reason and ("length" if body.echo and body.max_tokens == 0
+                                                             else chunk.finish_reason))
         # an extension (vLLM's too): the ids, so a client sees progress while the text is held back
         # (an unfinished UTF-8 character, a possible stop string, a skipped special token)
         choice["token_ids"] = chunk.token_ids
@@ -277,19 +367,26 @@ async def chat_response(state: ServerState, body: ChatCompletionRequest, jobs: l
 
 
 def _message(r: Result) -> dict[str, Any]:
-    if r.parser is None:
+    if r.parser is None and r.tools is None:
         return {"role": "assistant", "content": r.text}
-    return {"role": "assistant", "content": r.content or None, "reasoning_content": r.reasoning or None}
+    message = {"role": "assistant", "content": r.content or None}
+    if r.parser is not None:
+        message["reasoning_content"] = r.reasoning or None
+    if r.tools is not None and r.tools.calls:
+        message["tool_calls"] = r.tools.calls
+    return message
 
 
-def _delta(chunk: Chunk, split: Split | None) -> dict[str, Any]:
-    if split is None:
+def _delta(chunk: Chunk, piece: Piece | None) -> dict[str, Any]:
+    if piece is None:
         return {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
-    delta = {}
-    if split.reasoning:
-        delta["reasoning_content"] = split.reasoning
-    if split.content or (not split.reasoning and chunk.finish_reason is None):
-        delta["content"] = split.content
+    delta: dict[str, Any] = {}
+    if piece.reasoning:
+        delta["reasoning_content"] = piece.reasoning
+    if piece.content or (not piece.reasoning and not piece.calls and chunk.finish_reason is None):
+        delta["content"] = piece.content
+    if piece.calls:
+        delta["tool_calls"] = [c.as_openai() for c in piece.calls]
     return delta
 
 
@@ -300,16 +397,17 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: lis
                                       "logprobs": None, "finish_reason": None}]}
     results = [new_result(state, body) for _ in jobs]
     async for job, chunk in merged(state, jobs):
-        delta = _delta(chunk, _add(results[job.index], chunk))
+        result = results[job.index]
+        delta = _delta(chunk, _add(result, chunk))
         lp = _chat_logprobs(state, chunk.logprobs) if body.logprobs else None
-        yield {**header, "choices": [{"index": job.index, "delta": delta, "logprobs": lp,
-                                      "finish_reason": chunk.finish_reason}]}
+        finish = result.finish_reason if chunk.finish_reason is not None else None  # tool_calls, if any
+        yield {**header, "choices": [{"index": job.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
     if body.stream_options and body.stream_options.include_usage:
         yield {**header, "choices": [], "usage": _usage(jobs, results)}
 
 
 # ---- native /generate ----------------------------------------------------------------------
-def _native_body(result: Result, started: float, rid: str, with_logprobs: bool) -> dict[str, Any]:
+def _native_body(result: Result, started: float, rid: str, with_logprobs: bool, start: int = -1) -> dict[str, Any]:
     meta: dict[str, Any] = {"id": rid, "prompt_tokens": result.prompt_tokens,
                             "completion_tokens": len(result.token_ids),
                             "finish_reason": {"type": result.finish_reason} if result.finish_reason else None,
@@ -317,13 +415,17 @@ def _native_body(result: Result, started: float, rid: str, with_logprobs: bool) 
     if with_logprobs:
         meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in result.logprobs]
         meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top] for lp in result.logprobs]
+    if with_logprobs and start >= 0 and result.prompt_logprobs is not None:
+        given = result.prompt_logprobs[start:]
+        meta["input_token_logprobs"] = [[None, None] if lp is None else [lp.logprob, lp.token_id] for lp in given]
+        meta["input_top_logprobs"] = [None if lp is None else [[v, t] for t, v in lp.top] for lp in given]
     return {"text": result.text, "output_ids": result.token_ids, "meta_info": meta}
 
 
 async def native_response(state: ServerState, body: GenerateRequest, job: Job) -> dict[str, Any]:
     started = time.monotonic()
     result = await collect(state.client.generate(job.prompt_ids, job.params, job.ticket, job.bootstrap))
-    return _native_body(result, started, uuid.uuid4().hex, body.return_logprob)
+    return _native_body(result, started, uuid.uuid4().hex, body.return_logprob, body.logprob_start_len)
 
 
 async def stream_native(state: ServerState, body: GenerateRequest, job: Job) -> AsyncIterator[dict]:

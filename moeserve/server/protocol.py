@@ -16,15 +16,14 @@ logger = logging.getLogger(__name__)
 # values that ask for nothing (sending one of those is fine). Any other value is a 400 naming the
 # field: an answer that silently ignored it would have the wrong shape (no tool call, no JSON, ...).
 NOT_HONOURED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
     "priority": (None, 0),
-    "chat_template_kwargs": (None, {}), "reasoning_effort": (None,), "continue_final_message": (None, False),
+    "reasoning_effort": (None,), "continue_final_message": (None, False),
     "suffix": (None, ""), "best_of": (None, 1), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "web_search_options": (None,),
 }
 # fields of those schemas that change nothing in what the engine computes or returns
-HARMLESS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls", "rid"})
+HARMLESS = frozenset({"user", "store", "metadata", "service_tier", "rid"})
 
 
 class StreamOptions(BaseModel):
@@ -181,14 +180,68 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    """An assistant turn's call, as the server returned it (sent back in the history)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionCall | dict[str, str]
+
+    @property
+    def name(self) -> str:
+        return self.function.name if isinstance(self.function, FunctionCall) else self.function.get("name", "")
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (HF's convention: a call's arguments as given)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -198,6 +251,28 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     separate_reasoning: bool = True  # SGLang's: with --reasoning-parser, reasoning_content apart from content
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: tool_choice required makes exactly one call
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _choice_needs_tools(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice required or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.name not in {
+                t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not among the tools")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """``none`` (no tools, or the client said so), ``auto``, ``required`` or ``named``."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
 
 class GenerateRequest(_BootstrapFields):
@@ -215,6 +290,7 @@ class GenerateRequest(_BootstrapFields):
     sampling_params: dict = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1)  # SGLang's: input logprobs from this prompt position (-1: none)
     top_logprobs_num: int = 0
 
 

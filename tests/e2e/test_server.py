@@ -24,13 +24,16 @@ PROMPTS = ["The capital of", "abc", "Once upon a time there was"]
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    return make_tiny_model(str(tmp_path_factory.mktemp("srv") / "v3"), preset="v3", seed=4, initializer_range=0.1)
+    # a context of 2,048 for the tool list the template writes into the prompt
+    return make_tiny_model(str(tmp_path_factory.mktemp("srv") / "v3"), preset="v3", seed=4, initializer_range=0.1,
+                           max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("logs") / "server.log")
     srv = start_server(["--model-path", model_path, "--served-model-name", "tiny", "--api-key", API_KEY,
+                        "--tool-call-parser", "deepseekv3",
                         "--page-size", "4", "--max-total-tokens", "4096", "--chunked-prefill-size", "64",
                         "--max-queued-requests", "256"], log)
     yield srv
@@ -213,7 +216,7 @@ def _aborted(server) -> float:
 BAD = [
     ("malformed json", b'{"model": "tiny", "prompt": ', "JSON"),
     ("wrong type", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, "max_tokens"),
-    ("over context", {"model": "tiny", "prompt": "word " * 600}, "context length"),
+    ("over context", {"model": "tiny", "prompt": "word " * 2100}, "context length"),
     ("max_tokens < 1", {"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("bad stop type", {"model": "tiny", "prompt": "x", "stop": 5}, "stop"),
     ("empty stop", {"model": "tiny", "prompt": "x", "stop": [""]}, "stop"),
@@ -234,11 +237,8 @@ def test_bad_input_gets_400_and_the_server_keeps_serving(server, client, name, b
 
 # every field of OpenAI's or SGLang's schema that the server does not honour yet: refused, named
 NOT_HONOURED = [
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-    ("tools", {"tools": "not-a-list"}),
-    ("tool_choice", {"tool_choice": "required"}),
     ("priority", {"priority": 2}),
-    ("chat_template_kwargs", {"chat_template_kwargs": {"thinking": True}}),
+    ("functions", {"functions": [{"name": "f", "parameters": {}}]}),
     ("reasoning_effort", {"reasoning_effort": "high"}),
     ("continuous_usage_stats", {"stream": True, "stream_options": {"continuous_usage_stats": True}}),
     ("continue_final_message", {"continue_final_message": True}),
@@ -409,7 +409,77 @@ def test_logit_bias_and_min_tokens(server, client, offline):
         assert len(r.json()["output_ids"]) == min_tokens + 1 and r.json()["output_ids"][-1] == eos, r.json()
 
 
+# ---- tool calls (the tiny model's template writes DeepSeek-V3's format, --tool-call-parser deepseekv3)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},
+                                               "unit": {"type": "string", "enum": ["C", "F"]}},
+                                               "required": ["city", "unit"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                              "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def _valid_call(call) -> dict:
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert args["city"] in ("Paris", "Oslo", "Rome") and args["unit"] in ("C", "F"), args
+    else:
+        assert call.function.name == "add" and set(args) == {"a", "b"} and all(0 <= v <= 99 for v in args.values())
+    assert call.id.startswith("call_") and call.type == "function"
+    return args
+
+
+def test_tool_choice_required_and_named_give_a_valid_call_every_time(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for seed in range(4):
+        for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+            out = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=choice,
+                                                 parallel_tool_calls=False, max_tokens=250, temperature=1.0,
+                                                 seed=seed)
+            message = out.choices[0].message
+            assert out.choices[0].finish_reason == "tool_calls" and message.tool_calls, message
+            for call in message.tool_calls:
+                _valid_call(call)
+            assert len(message.tool_calls) == 1
+            if choice != "required":
+                assert message.tool_calls[0].function.name == "add"
+
+
+def test_a_tool_round_trip_streamed_and_not(client):
+    """Call, tool result, final answer: the streamed call is the same call, delta by delta."""
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=250, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    _valid_call(call)
+    stream = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=250, temperature=0, stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for d in choice.delta.tool_calls or []:
+            if d.id:
+                calls[d.index] = [d.id, d.function.name, ""]
+            calls[d.index][2] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(n, a) for _, n, a in calls.values()] == [(c.function.name, c.function.arguments)
+                                                      for c in first.choices[0].message.tool_calls]
+    messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "3 degrees, snow"}]
+    final = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none",
+                                           max_tokens=8, temperature=0)
+    assert final.choices[0].message.tool_calls is None and isinstance(final.choices[0].message.content, str)
+    auto = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=8, temperature=0)
+    assert auto.choices[0].message.content is not None or auto.choices[0].message.tool_calls
+
+
 BAD_CONTROLS = [
+    ("tools", {"tools": "not-a-list"}),
+    ("tool_choice", {"tool_choice": "required"}),
+    ("tool_choice", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+    ("tool_choice", {"tools": TOOLS, "tool_choice": "required", "regex": "a+"}),
     ("regex", {"regex": "[a-"}),
     ("json_schema", {"json_schema": "{not json"}),
     ("json_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
@@ -432,3 +502,37 @@ def test_a_bad_grammar_or_bias_is_a_400_naming_its_field(server, field, extra):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
     r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=headers, json=body)
     assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+# ---- prompt logprobs (echo), as lm-eval's loglikelihood requests send them
+def test_echo_with_logprobs_gives_the_prompts_logprobs_equal_to_transformers(server, client, model_path, offline):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    ids = offline.tokenizer.encode(prompt)
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    want_lp = [want[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text.startswith(prompt) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == len(ids) + 1 and "".join(lp.tokens[:len(ids)]) == offline.tokenizer.decode(ids, False)
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(want_lp, abs=1e-4)
+    best = [max(top.values()) for top in lp.top_logprobs[1:len(ids)]]
+    assert best == pytest.approx(want[:-1].max(-1).values.tolist(), abs=1e-4)  # top-1 alternative per position
+    scored = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert scored.usage.completion_tokens == 0 and scored.choices[0].text == offline.tokenizer.decode(ids, False)
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want_lp, abs=1e-4)
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, echo=True, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert text == prompt + plain.choices[0].text
+    r = httpx.post(f"{server.base_url}/generate", headers={"Authorization": f"Bearer {API_KEY}"}, json={
+        "input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    got = [entry[0] for entry in r.json()["meta_info"]["input_token_logprobs"][1:]]
+    assert got == pytest.approx(want_lp, abs=1e-4)
