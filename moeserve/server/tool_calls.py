@@ -35,8 +35,8 @@ CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁en
 V3_ARGS_BEGIN, V3_ARGS_END = "\n```json\n", "\n```"
 DSML_BEGIN, DSML_END = "<｜DSML｜function_calls>", "</｜DSML｜function_calls>"
 DSML_INVOKE_END = "</｜DSML｜invoke>"
-_DSML_INVOKE = re.compile(r'<｜DSML｜invoke name="([^"]*)">(.*?)</｜DSML｜invoke>', re.S)
-_DSML_PARAM = re.compile(r'<｜DSML｜parameter name="([^"]*)"(?: string="(true|false)")?>(.*?)</｜DSML｜parameter>', re.S)
+_DSML_INVOKE = re.compile(r'<｜DSML｜invoke name="([^"]*)">(.*?)</｜DSML｜invoke>', re.DOTALL)
+_DSML_PARAM = re.compile(r'<｜DSML｜parameter name="([^"]*)"(?: string="(true|false)")?>(.*?)</｜DSML｜parameter>', re.DOTALL)
 
 
 @dataclass
@@ -239,11 +239,11 @@ def call_grammar(parser: str, tools: list[dict[str, Any]], only: str | None = No
     return "\n".join([f"root ::= {_literal(CALLS_BEGIN)} {calls} {_literal(CALLS_END)}", call, *rules])
 
 
-_EBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|[A-Za-z_][\w]*|.', re.S)
+_EBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|[A-Za-z_][\w]*|.', re.DOTALL)
 
 
 def _prefixed(ebnf: str, prefix: str) -> str:
     """``ebnf`` with every rule renamed ``prefix + name`` (not inside strings or character classes),
     so several grammars' rules can share one grammar."""
-    names = set(re.findall(r"^([A-Za-z_]\w*) ::=", ebnf, re.M))
+    names = set(re.findall(r"^([A-Za-z_]\w*) ::=", ebnf, re.MULTILINE))
     return "".join(prefix + t if t in names else t for t in _EBNF_TOKEN.findall(ebnf))

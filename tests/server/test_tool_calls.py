@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from moeserve.server.tool_calls import (CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, ToolCallParser,
-                                        call_grammar)
+from moeserve.server.tool_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, ToolCallParser, call_grammar
 
 V3_CALL = CALL_BEGIN + "function" + SEP + "{name}\n```json\n{args}\n```" + CALL_END
 V31_CALL = CALL_BEGIN + "{name}" + SEP + "{args}" + CALL_END
