@@ -433,7 +433,7 @@ def _valid_call(call) -> dict:
 
 def test_tool_choice_required_and_named_give_a_valid_call_every_time(client):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    for seed in range(4):
+    for seed in range(2):
         for choice in ("required", {"type": "function", "function": {"name": "add"}}):
             out = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=choice,
                                                  parallel_tool_calls=False, max_tokens=250, temperature=1.0,
@@ -536,3 +536,57 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_equal_to_transformers(ser
         "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
     got = [entry[0] for entry in r.json()["meta_info"]["input_token_logprobs"][1:]]
     assert got == pytest.approx(want_lp, abs=1e-4)
+
+
+# ---- real clients: LangChain and lm-eval
+class Weather(pydantic.BaseModel):
+    """The weather in a city now."""
+
+    city: Literal["Paris", "Oslo", "Rome"]
+    unit: Literal["C", "F"]
+
+
+def test_langchain_binds_tools_and_gets_structured_output_by_every_method(server):
+    chat_openai = pytest.importorskip("langchain_openai").ChatOpenAI
+    llm = chat_openai(base_url=f"{server.base_url}/v1", api_key=API_KEY, model="tiny", temperature=0, max_tokens=250)
+    message = llm.bind_tools([Weather], tool_choice="Weather").invoke("What is the weather in Rome?")
+    assert [c["name"] for c in message.tool_calls] == ["Weather"]
+    Weather.model_validate(message.tool_calls[0]["args"])
+    for method in ("function_calling", "json_schema"):
+        assert isinstance(llm.with_structured_output(Person, method=method).invoke("Who?"), Person), method
+    free = llm.with_structured_output({"title": "anything", "type": "object"}, method="json_mode").invoke("JSON?")
+    assert isinstance(free, dict)
+
+
+def test_lm_eval_scores_a_local_multiple_choice_task_with_the_servers_logprobs(server, offline, model_path,
+                                                                              tmp_path, monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval")
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)  # what lm-eval's API models send
+    from lm_eval.tasks import TaskManager
+
+    docs = [{"question": "Q: 2 + 2 =", "choices": ["4", "5", "22"], "answer": 0},
+            {"question": "Q: the sky is", "choices": ["blue", "loud"], "answer": 1}]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "tiny_choice.yaml").write_text(
+        "task: tiny_choice\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
+    out = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["tiny_choice"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args=f"base_url={server.base_url}/v1/completions,model=tiny,tokenizer={model_path},"
+                   "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1",
+        log_samples=True, apply_chat_template=False)
+    got = [[ll for ll, _ in s["filtered_resps"]] for s in out["samples"]["tiny_choice"]]
+    want = []
+    for doc in docs:  # each choice's loglikelihood from the offline engine's prompt logprobs, tokenized as
+        context = offline.tokenizer.encode(doc["question"], add_special_tokens=False)  # lm-eval does: no bos
+        row = []
+        for choice in doc["choices"]:
+            ids = context + offline.tokenizer.encode(" " + choice, add_special_tokens=False)  # target_delimiter
+            lps = offline.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+            row.append(sum(lp.logprob for lp in lps.prompt_logprobs[len(context):]))
+        want.append(row)
+    assert got == [pytest.approx(w, abs=1e-3) for w in want]
+    accuracy = sum(max(range(len(w)), key=w.__getitem__) == d["answer"] for w, d in zip(want, docs)) / len(docs)
+    assert out["results"]["tiny_choice"]["acc,none"] == pytest.approx(accuracy)
