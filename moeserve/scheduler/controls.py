@@ -1,4 +1,5 @@
-"""Actions on the expert recorder and placement, sent over HTTP and run by every rank at once.
+"""Actions on the expert recorder and placement (and the prefix cache's flush), sent over HTTP and
+run by every rank at once.
 
 The API process sends an ``ExpertControlInput`` to every DP group; ranks receive it at different
 steps, so each action waits until the step agreement says every rank holds it (the newest ``seq``
@@ -18,8 +19,10 @@ from moeserve.scheduler.io import ControlOutput, ExpertControlInput
 
 
 class ExpertControls:
-    def __init__(self, eplb: EplbManager | None, config: EplbConfig, reply: Callable[[ControlOutput], None]) -> None:
+    def __init__(self, eplb: EplbManager | None, config: EplbConfig, reply: Callable[[ControlOutput], None],
+                 flush: Callable[[], int] | None = None) -> None:
         self.eplb, self.config, self.reply = eplb, config, reply
+        self.flush = flush  # the scheduler's prefix-cache flush: pages freed, ValueError while requests run
         self.pending: list[ExpertControlInput] = []
         self.seen = 0  # the newest seq received
 
@@ -38,6 +41,10 @@ class ExpertControls:
                 self.reply(ControlOutput(msg.seq, False, str(exc)))
 
     def _run(self, msg: ExpertControlInput) -> None:
+        if msg.action == "flush_cache":
+            freed = self.flush() if self.flush is not None else 0
+            self.reply(ControlOutput(msg.seq, True, result={"pages_freed": freed}))
+            return
         eplb = self.eplb
         if eplb is None:
             raise ValueError("the server records no expert load: start it with --expert-distribution-recorder-mode "

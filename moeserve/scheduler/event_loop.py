@@ -160,6 +160,7 @@ class EngineLoop:
         self.runner = ModelRunner(config, groups)
         self.controls = ExpertControls(self.runner.eplb, config.eplb, reply=self._reply_control)
         self.scheduler = self._init_scheduler(tokenizer)
+        self.controls.flush = self.scheduler.flush_prefix_cache
         self.codec = Codec(EngineInput)
         self._peer_codec = Codec(list[EngineInput])  # messages the leader shares with its TP peers
         if self.is_leader and addrs is not None:

@@ -29,7 +29,7 @@ class ShutdownInput(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ExpertAction = Literal["start_record", "stop_record", "dump_record", "rebalance", "stats"]
+ExpertAction = Literal["start_record", "stop_record", "dump_record", "rebalance", "stats", "flush_cache"]
 
 
 class ExpertControlInput(msgspec.Struct, tag="expert_control"):

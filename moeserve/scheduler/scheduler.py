@@ -177,6 +177,18 @@ class Scheduler:
             return "prefilling"
         return "retracted" if req.num_retractions else "waiting"
 
+    def flush_prefix_cache(self) -> int:
+        """Free every page the prefix cache holds (SGLang's ``/flush_cache``); refused (ValueError)
+        while a request is here, whose pages it may share. Returns the pages freed."""
+        if self.num_requests:
+            raise ValueError(f"the cache was not flushed: {self.num_requests} requests are running or waiting")
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        freed = cache.num_cached_pages
+        cache.reset()
+        return freed
+
     @property
     def prefix_cache(self) -> PrefixCache | None:
         """The prefix cache the page pool evicts from (None: this role or the config has none)."""

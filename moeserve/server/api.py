@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
@@ -32,6 +33,7 @@ from moeserve.core import BootstrapInfo, SamplingParams
 from moeserve.models.tokenizer import Tokenizer
 from moeserve.scheduler.validation import check_request
 from moeserve.server import openai_serving as oai
+from moeserve.server import responses as resp
 from moeserve.server.engine_client import EngineClient, EngineError, Ticket
 from moeserve.server.http import APIKeyAuth, error_body, error_json
 from moeserve.server.protocol import (
@@ -41,6 +43,7 @@ from moeserve.server.protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
+from moeserve.server.responses import ResponsesRequest
 
 DISCONNECT_POLL_S = 0.2
 # texts up to this many characters are tokenized on the event loop (well under a millisecond);
@@ -66,6 +69,7 @@ class ServerState:
     failure: str | None = None  # why the server stopped serving, when it was not asked to
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
+    responses: OrderedDict = field(default_factory=OrderedDict)  # stored /v1/responses answers, oldest first
 
     async def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -80,9 +84,10 @@ class ServerState:
                           template_kwargs: dict[str, Any] | None = None) -> list[int]:
         tokenizer = self.text_tokenizer()
         size = sum(len(m["content"] or "") for m in messages)
+        kwargs = dict(template_kwargs or {})
+        prompt = kwargs.pop("add_generation_prompt", True)
         try:
-            text = await self.off_loop(size, functools.partial(tokenizer.render_chat, messages, True, tools,
-                                                               **(template_kwargs or {})))
+            text = await self.off_loop(size, functools.partial(tokenizer.render_chat, messages, prompt, tools, **kwargs))
         except Exception as exc:  # the template refused the conversation (roles, order …)
             raise APIError(400, f"messages: {exc}") from exc
         self.check_text_length(text)
@@ -384,6 +389,25 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                             lambda jobs: oai.stream_chat(state, body, jobs),
                             lambda jobs: oai.chat_response(state, body, jobs))
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        state.check_model(body.model)
+        try:
+            chat = resp.chat_request(state, body)
+        except (ValueError, KeyError) as exc:  # pydantic's ValidationError is a ValueError
+            raise APIError(400, f"input: {exc}" if isinstance(exc, KeyError) else str(exc)) from exc
+        return await _serve(request, state, 1, body.stream,
+                            lambda ticket: oai.chat_jobs(state, chat, ticket),
+                            lambda jobs: resp.stream(state, body, chat, jobs),
+                            lambda jobs: resp.create(state, body, chat, jobs))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict:
+        found = resp.retrieve(state, response_id)
+        if found is None:
+            raise APIError(404, f"response {response_id!r} is not stored here", "not_found_error")
+        return found
+
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         return await _serve(request, state, 1, body.stream,
@@ -404,6 +428,12 @@ def _add_expert_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, answer.message)
         return answer.result
 
+    async def flush() -> dict:
+        if state.client.num_in_flight:
+            raise APIError(400, f"the cache was not flushed: {state.client.num_in_flight} requests are running")
+        return await run("flush_cache")
+
+    app.add_api_route("/flush_cache", flush, methods=["GET", "POST"])
     for path, action in (("/start_expert_distribution_record", "start_record"),
                          ("/stop_expert_distribution_record", "stop_record"),
                          ("/dump_expert_distribution_record", "dump_record"), ("/rebalance_experts", "rebalance")):

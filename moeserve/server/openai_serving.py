@@ -131,7 +131,14 @@ async def chat_jobs(state: ServerState, body: ChatCompletionRequest, ticket: Tic
     if mode != "none" and parser is None:
         raise _api_error("tools need the server started with --tool-call-parser (deepseekv3, deepseekv31, "
                          "deepseekv32); or send tool_choice: none")
-    ids = await state.encode_chat([m.for_template() for m in body.messages], tools, body.chat_template_kwargs)
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.continue_final_message:
+        if body.messages[-1].role != "assistant":
+            raise _api_error("continue_final_message needs the last message to be the assistant's")
+        kwargs.update(continue_final_message=True, add_generation_prompt=False)
+    elif not body.add_generation_prompt:
+        kwargs["add_generation_prompt"] = False
+    ids = await state.encode_chat([m.for_template() for m in body.messages], tools, kwargs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     jobs = []
@@ -194,11 +201,11 @@ async def native_job(state: ServerState, body: GenerateRequest, ticket: Ticket) 
 async def collect(chunks: AsyncIterator[Chunk], result: Result | None = None) -> Result:
     result = result or Result()
     async for chunk in chunks:
-        _add(result, chunk)
+        add_chunk(result, chunk)
     return result
 
 
-def _add(result: Result, chunk: Chunk) -> Piece | None:
+def add_chunk(result: Result, chunk: Chunk) -> Piece | None:
     """Add ``chunk`` to ``result``; with a reasoning or tool-call parser, what of it is reasoning,
     what answer and what tool calls (None: no parser, all of it is text)."""
     result.text += chunk.text
@@ -279,7 +286,7 @@ async def merged(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[Job
             task.cancel()
 
 
-def _usage(jobs: list[Job], results: list[Result]) -> dict[str, Any]:
+def usage_of(jobs: list[Job], results: list[Result]) -> dict[str, Any]:
     """Token counts as OpenAI reports them: each prompt once however many choices it had, with the
     part of it the prefix cache held (``prompt_tokens_details.cached_tokens``)."""
     prompts = {j.prompt_index: r for j, r in zip(jobs, results)}
@@ -323,7 +330,7 @@ async def completion_response(state: ServerState, body: CompletionRequest, jobs:
     results = [_echoed(state, body, j, r) for j, r in zip(jobs, await run_all(state, jobs))]
     choices = [_completion_choice(state, body, j, r.text, r.logprobs, r.finish_reason)
                for j, r in zip(jobs, results)]
-    return {**_header("text_completion", state, "cmpl"), "choices": choices, "usage": _usage(jobs, results)}
+    return {**_header("text_completion", state, "cmpl"), "choices": choices, "usage": usage_of(jobs, results)}
 
 
 async def stream_completion(state: ServerState, body: CompletionRequest, jobs: list[Job]) -> AsyncIterator[dict]:
@@ -331,7 +338,7 @@ async def stream_completion(state: ServerState, body: CompletionRequest, jobs: l
     results = [Result() for _ in jobs]
     async for job, chunk in merged(state, jobs):
         first = not results[job.index].token_ids
-        _add(results[job.index], chunk)
+        add_chunk(results[job.index], chunk)
         part = Result(text=chunk.text, logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs)
         if first:  # the echoed prompt comes before the first tokens
             part = _echoed(state, body, job, part)
@@ -343,9 +350,9 @@ async def stream_completion(state: ServerState, body: CompletionRequest, jobs: l
         # an extension (vLLM's too): the ids, so a client sees progress while the text is held back
         # (an unfinished UTF-8 character, a possible stop string, a skipped special token)
         choice["token_ids"] = chunk.token_ids
-        yield {**header, "choices": [choice]}
+        yield {**header, "choices": [choice], **_running_usage(body, jobs, results)}
     if body.stream_options and body.stream_options.include_usage:
-        yield {**header, "choices": [], "usage": _usage(jobs, results)}
+        yield {**header, "choices": [], "usage": usage_of(jobs, results)}
 
 
 # ---- chat completions ----------------------------------------------------------------------
@@ -363,7 +370,7 @@ async def chat_response(state: ServerState, body: ChatCompletionRequest, jobs: l
     choices = [{"index": j.index, "message": _message(r),
                 "logprobs": _chat_logprobs(state, r.logprobs) if body.logprobs else None,
                 "finish_reason": r.finish_reason} for j, r in zip(jobs, results)]
-    return {**_header("chat.completion", state, "chatcmpl"), "choices": choices, "usage": _usage(jobs, results)}
+    return {**_header("chat.completion", state, "chatcmpl"), "choices": choices, "usage": usage_of(jobs, results)}
 
 
 def _message(r: Result) -> dict[str, Any]:
@@ -398,12 +405,20 @@ async def stream_chat(state: ServerState, body: ChatCompletionRequest, jobs: lis
     results = [new_result(state, body) for _ in jobs]
     async for job, chunk in merged(state, jobs):
         result = results[job.index]
-        delta = _delta(chunk, _add(result, chunk))
+        delta = _delta(chunk, add_chunk(result, chunk))
         lp = _chat_logprobs(state, chunk.logprobs) if body.logprobs else None
         finish = result.finish_reason if chunk.finish_reason is not None else None  # tool_calls, if any
-        yield {**header, "choices": [{"index": job.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+        yield {**header, "choices": [{"index": job.index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+               **_running_usage(body, jobs, results)}
     if body.stream_options and body.stream_options.include_usage:
-        yield {**header, "choices": [], "usage": _usage(jobs, results)}
+        yield {**header, "choices": [], "usage": usage_of(jobs, results)}
+
+
+def _running_usage(body: Any, jobs: list[Job], results: list[Result]) -> dict[str, Any]:
+    """``stream_options.continuous_usage_stats`` (vLLM's): the usage so far, in every chunk."""
+    if body.stream_options and body.stream_options.continuous_usage_stats:
+        return {"usage": usage_of(jobs, results)}
+    return {}
 
 
 # ---- native /generate ----------------------------------------------------------------------
@@ -432,5 +447,5 @@ async def stream_native(state: ServerState, body: GenerateRequest, job: Job) -> 
     """Like SGLang: every event carries the text and token ids so far."""
     started, rid, result = time.monotonic(), uuid.uuid4().hex, Result()
     async for chunk in state.client.generate(job.prompt_ids, job.params, job.ticket, job.bootstrap):
-        _add(result, chunk)
+        add_chunk(result, chunk)
         yield _native_body(result, started, rid, body.return_logprob)

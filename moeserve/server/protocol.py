@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 NOT_HONOURED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none", "auto"),
     "priority": (None, 0),
-    "reasoning_effort": (None,), "continue_final_message": (None, False),
+    "reasoning_effort": (None,),
     "suffix": (None, ""), "best_of": (None, 1), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "web_search_options": (None,),
 }
@@ -30,13 +30,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-    @model_validator(mode="after")
-    def _refuse_continuous_usage(self) -> StreamOptions:
-        if self.continuous_usage_stats:
-            raise ValueError("stream_options.continuous_usage_stats is not supported by this server")
-        return self
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 def check_fields(model: type[BaseModel], data: Any) -> Any:
@@ -255,6 +249,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # false: tool_choice required makes exactly one call
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the last (assistant) message is left open for the model to go on with
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _choice_needs_tools(self) -> ChatCompletionRequest:

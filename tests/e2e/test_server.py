@@ -155,6 +155,40 @@ def test_a_repeated_prefix_is_reported_cached_in_usage_and_metrics(server, clien
     assert wait_for(lambda: metric(server.base_url, "moeserve:kv_pages_used") == 0)
 
 
+def test_continue_final_message_and_continuous_usage_stats(client, offline):
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    text = offline.tokenizer.render_chat(messages, continue_final_message=True, add_generation_prompt=False)
+    assert text.endswith("My favourite is")  # left open: no end of turn, no new assistant turn
+    want = _greedy(offline, [offline.tokenizer.encode(text, add_special_tokens=False)], 6)[0]
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                            stream=True, extra_body={"continue_final_message": True,
+                                                                     "add_generation_prompt": False,
+                                                                     "ignore_eos": True},
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert counts and counts == sorted(counts) and chunks[-1].usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(model="tiny", messages=messages[:1], max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+
+
+def test_flush_cache_empties_the_prefix_cache_and_is_refused_while_requests_run(server, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    client.completions.create(model="tiny", prompt="A prefix worth keeping for later, " * 4, max_tokens=2)
+    assert wait_for(lambda: metric(server.base_url, "moeserve:kv_pages_cached") > 0)
+    stream = client.completions.create(model="tiny", prompt="busy", max_tokens=200, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # a request is running
+    r = httpx.post(f"{server.base_url}/flush_cache", headers=headers)
+    assert r.status_code == 400 and "running" in r.json()["error"]["message"]
+    stream.close()
+    assert wait_for(lambda: httpx.post(f"{server.base_url}/flush_cache", headers=headers).status_code == 200)
+    assert wait_for(lambda: metric(server.base_url, "moeserve:kv_pages_cached") == 0)
+    assert client.completions.create(model="tiny", prompt="still serving", max_tokens=2).choices[0].text is not None
+
+
 def test_64_concurrent_requests_all_complete_and_pages_return(server):
     async def run():
         client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
@@ -240,8 +274,6 @@ NOT_HONOURED = [
     ("priority", {"priority": 2}),
     ("functions", {"functions": [{"name": "f", "parameters": {}}]}),
     ("reasoning_effort", {"reasoning_effort": "high"}),
-    ("continuous_usage_stats", {"stream": True, "stream_options": {"continuous_usage_stats": True}}),
-    ("continue_final_message", {"continue_final_message": True}),
 ]
 
 
@@ -590,3 +622,37 @@ def test_lm_eval_scores_a_local_multiple_choice_task_with_the_servers_logprobs(s
     assert got == [pytest.approx(w, abs=1e-3) for w in want]
     accuracy = sum(max(range(len(w)), key=w.__getitem__) == d["answer"] for w, d in zip(want, docs)) / len(docs)
     assert out["results"]["tiny_choice"]["acc,none"] == pytest.approx(accuracy)
+
+
+# ---- the Responses API
+def test_responses_create_stream_retrieve_tools_structured_and_continue(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].message.content
+    r = client.responses.create(model="tiny", instructions="Be brief.", input="Hello there", max_output_tokens=6,
+                                temperature=0, extra_body={"ignore_eos": True})
+    assert r.output_text == chat and r.status == "incomplete" and r.usage.output_tokens == 6
+    assert client.responses.retrieve(r.id).output_text == chat
+    events = list(client.responses.create(model="tiny", instructions="Be brief.", input="Hello there",
+                                          max_output_tokens=6, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True}))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat
+    assert events[-1].response.output_text == chat
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    called = client.responses.create(model="tiny", input="Weather in Rome?", tools=tools, tool_choice="required",
+                                     parallel_tool_calls=False, max_output_tokens=250, temperature=0)
+    call = next(item for item in called.output if item.type == "function_call")
+    assert call.name in ("get_weather", "add") and isinstance(json.loads(call.arguments), dict)
+    follow = client.responses.create(model="tiny", previous_response_id=called.id, max_output_tokens=4,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "sunny"}], temperature=0)
+    assert follow.output[0].type == "message" and follow.previous_response_id == called.id
+    shaped = client.responses.create(model="tiny", input="Who?", max_output_tokens=80, temperature=0, text={
+        "format": {"type": "json_schema", "name": "person", "schema": PERSON_SCHEMA, "strict": True}})
+    Person.model_validate_json(shaped.output_text)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_nope")
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_nope")
