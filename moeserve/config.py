@@ -275,6 +275,10 @@ class SchedulerConfig:
     # here, not in ServerConfig: the ranks' schedulers, which alone know when a prefill starts, enforce it
     queue_timeout: float | None = flag(None, "fail (503) a request that waits more than this many seconds in the "
                                              "queue before its prefill starts (default: no limit)")
+    enable_priority_scheduling: bool = flag(False, "admit waiting requests by their priority (by default the "
+                                                   "largest value first), then in arrival order")
+    schedule_low_priority_values_first: bool = flag(False, "with --enable-priority-scheduling: the smallest "
+                                                           "priority value first (vLLM's order)")
     grammar_backend: str = flag("xgrammar", "the library that compiles structured-output grammars (JSON "
                                             "schema, regex, EBNF)", choices=GRAMMAR_BACKENDS)
 

@@ -40,6 +40,7 @@ class SamplingParams:
     # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0  # the stop tokens are held back until this many tokens are out
+    priority: int = 0  # with --enable-priority-scheduling: the admission order (SGLang's: larger first)
     # constrained decoding (at most one; ``executor/grammar.py``): a JSON schema (as JSON text), a
     # regular expression, or an EBNF grammar the output must match
     json_schema: str | None = None
@@ -93,6 +94,8 @@ class SamplingParams:
                "values must be numbers in [-100, 100]")
         _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
+        _check(_int(self.priority) and -2**31 <= self.priority < 2**31, "priority",
+               f"must be a 32-bit integer, got {self.priority!r}")
         grammars = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
         _check(len(grammars) <= 1, grammars[-1] if grammars else "json_schema",
                f"give at most one of json_schema, regex and ebnf; got {', '.join(grammars)}")

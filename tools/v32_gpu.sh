@@ -9,8 +9,11 @@
 #            models at 32 x 4K, 256 x 4K, 256 x 32K and 32 x 128K sequences x cached tokens
 #   prefill  bench one-batch, one prompt of 4K, 32K and 128K tokens (4 layers, FP8, chunks of
 #            16K tokens) for both models
-# Run from the repository root with the machine's python3 (torch with CUDA, Triton).
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Run from the repository root with the machine's python3 (torch with CUDA, Triton). The image lacks
+# the HTTP stack the CLI imports: carry cp312 wheels of fastapi, uvicorn, pyzmq, msgspec,
+# prometheus_client and httpx in tmp/wheels (`pip download --only-binary=:all: --python-version 3.12
+# -d tmp/wheels ...`); they are installed into /tmp/site.
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 set -uo pipefail
 OUT="${OUT:-$PWD/tmp/v32_gpu}"
 REPEATS="${REPEATS:-10}"
@@ -22,6 +25,9 @@ M="python3 -m moeserve.server.cli"
 status=0
 # shellcheck source=tools/step.sh
 source "$(dirname "$0")/step.sh"
+if [ -d tmp/wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site tmp/wheels/*.whl || status=1
+fi
 echo "=== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 for s in ${*:-${STEPS:-tests decode prefill}}; do
     case $s in

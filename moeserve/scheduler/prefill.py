@@ -37,8 +37,17 @@ class PrefillManager:
         req.queued_at = self.clock() if req.num_retractions == 0 else None
         if first:
             self.waiting.appendleft(req)
+        elif self.config.enable_priority_scheduling:  # behind every request that comes first or ties
+            rank = self._rank(req)
+            at = next((i for i, r in enumerate(self.waiting) if self._rank(r) > rank and r.num_retractions == 0),
+                      len(self.waiting))
+            self.waiting.insert(at, req)
         else:
             self.waiting.append(req)
+
+    def _rank(self, req: Req) -> int:
+        """Smaller is admitted first."""
+        return req.params.priority if self.config.schedule_low_priority_values_first else -req.params.priority
 
     def release(self, req: Req) -> bool:
         """Forget ``req`` if it is here (its pages stay with the caller); True if it was."""

@@ -44,6 +44,8 @@ def check_request(prompt_ids: list[int], params: SamplingParams, config: EngineC
                 if getattr(params, name) not in (None, 0, {})]
     if controls and config.spec.enabled:
         raise ValueError(f"{controls[0]} is not supported with speculative decoding (--speculative-algorithm) yet")
+    if params.priority and not config.scheduler.enable_priority_scheduling:
+        raise ValueError("priority needs the server started with --enable-priority-scheduling")
     if params.prompt_logprobs is not None and (config.disagg.enabled or config.parallel.dp_size > 1):
         raise ValueError("prompt_logprobs (echo with logprobs) is not supported on disaggregated servers or with "
                          "DP attention yet")

@@ -179,6 +179,8 @@ async def native_job(state: ServerState, body: GenerateRequest, ticket: Ticket) 
     ids = await state.encode(body.text if body.text is not None else body.input_ids)
     settings = {_NATIVE_NAMES.get(k, k): v for k, v in body.sampling_params.items()}
     settings.setdefault("max_tokens", 128)
+    if body.priority:
+        settings["priority"] = body.priority
     if body.return_logprob:
         settings["logprobs"] = body.top_logprobs_num
         if body.logprob_start_len >= 0:

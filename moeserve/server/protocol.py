@@ -17,7 +17,6 @@ logger = logging.getLogger(__name__)
 # field: an answer that silently ignored it would have the wrong shape (no tool call, no JSON, ...).
 NOT_HONOURED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none", "auto"),
-    "priority": (None, 0),
     "reasoning_effort": (None,),
     "suffix": (None, ""), "best_of": (None, 1), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "web_search_options": (None,),
@@ -131,6 +130,7 @@ class _SamplingFields(_BootstrapFields):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
+    priority: int = 0
     # structured outputs: OpenAI's response_format, or SGLang's fields (at most one of them all)
     response_format: ResponseFormat | None = None
     json_schema: str | dict | None = None
@@ -152,7 +152,8 @@ class _SamplingFields(_BootstrapFields):
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
         return SamplingParams(
-            logit_bias=token_biases(self.logit_bias), min_tokens=self.min_tokens, **self.grammar(),
+            logit_bias=token_biases(self.logit_bias), min_tokens=self.min_tokens, priority=self.priority,
+            **self.grammar(),
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=None if self.seed is None else self.seed + choice,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
@@ -287,6 +288,7 @@ class GenerateRequest(_BootstrapFields):
     sampling_params: dict = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
+    priority: int = 0  # SGLang's: with --enable-priority-scheduling
     logprob_start_len: int = Field(-1, ge=-1)  # SGLang's: input logprobs from this prompt position (-1: none)
     top_logprobs_num: int = 0
 

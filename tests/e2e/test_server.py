@@ -271,7 +271,6 @@ def test_bad_input_gets_400_and_the_server_keeps_serving(server, client, name, b
 
 # every field of OpenAI's or SGLang's schema that the server does not honour yet: refused, named
 NOT_HONOURED = [
-    ("priority", {"priority": 2}),
     ("functions", {"functions": [{"name": "f", "parameters": {}}]}),
     ("reasoning_effort", {"reasoning_effort": "high"}),
 ]
@@ -508,6 +507,7 @@ def test_a_tool_round_trip_streamed_and_not(client):
 
 
 BAD_CONTROLS = [
+    ("priority", {"priority": 2}),  # without --enable-priority-scheduling
     ("tools", {"tools": "not-a-list"}),
     ("tool_choice", {"tool_choice": "required"}),
     ("tool_choice", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),

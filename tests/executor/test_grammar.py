@@ -49,7 +49,7 @@ def test_outputs_match_their_grammar_and_plain_requests_are_untouched(llm):
     alone = [o.token_ids for o in llm.generate(PLAIN, plain, use_tqdm=False)]
     prompts, params = list(PLAIN), [plain] * len(PLAIN)
     for field, (text, _) in CHECKS.items():
-        for seed in range(3):
+        for seed in range(2):
             prompts.append(f"Answer {seed}:")
             params.append(SamplingParams(max_tokens=60, temperature=1.0, seed=seed, **{field: text}))
     out = llm.generate(prompts, params, use_tqdm=False)

@@ -270,3 +270,25 @@ def test_offline_generate_ends_timed_out_requests_with_an_error(v3_path, referen
     assert first.token_ids == reference[0].token_ids
     assert second.finish_reason == "error" and second.token_ids == []
     assert llm.scheduler.pages.num_used == 0 and not llm.scheduler.has_work
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+def test_priority_scheduling_admits_by_priority_then_arrival(low_first):
+    from moeserve.cache import PagePool
+    from moeserve.config import SchedulerConfig
+    from moeserve.core import Req, SamplingParams
+    from moeserve.scheduler.prefill import PrefillManager
+
+    config = SchedulerConfig(enable_priority_scheduling=True, schedule_low_priority_values_first=low_first,
+                             chunked_prefill_size=4, max_running_requests=1)
+    prefill = PrefillManager(config, PagePool(64, 4))
+    reqs = [Req(f"r{i}", [1, 2, 3], SamplingParams(priority=p)) for i, p in enumerate([0, 5, 1, 5, -2])]
+    for req in reqs:
+        prefill.add(req)
+    order = [r.rid for r in prefill.waiting]
+    assert order == (["r4", "r0", "r2", "r1", "r3"] if low_first else ["r1", "r3", "r2", "r0", "r4"])
+    retracted = Req("back", [1, 2], SamplingParams(priority=-9))
+    retracted.num_retractions = 1
+    prefill.add(retracted, first=True)  # a retracted request goes first whatever its priority
+    batch = prefill.next_batch(0)
+    assert [s.req.rid for s in batch.seqs] == ["back"]
