@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -93,7 +92,7 @@ def chat_request(state: ServerState, body: ResponsesRequest) -> ChatCompletionRe
     """The chat completion a Responses request amounts to; raises ValueError naming a bad field."""
     messages = []
     if body.previous_response_id is not None:
-        stored = _stored(state).get(body.previous_response_id)
+        stored = state.responses.get(body.previous_response_id)
         if stored is None:
             raise ValueError(f"previous_response_id {body.previous_response_id!r} is not stored here")
         messages += stored["conversation"]
@@ -120,10 +119,6 @@ def chat_request(state: ServerState, body: ResponsesRequest) -> ChatCompletionRe
     elif fmt:
         fields["response_format"] = {"type": fmt.get("type")}
     return ChatCompletionRequest.model_validate(fields)
-
-
-def _stored(state: ServerState) -> OrderedDict[str, dict[str, Any]]:
-    return state.responses
 
 
 def _shell(state: ServerState, body: ResponsesRequest, rid: str, status: str) -> dict[str, Any]:
@@ -156,7 +151,7 @@ def _finish(state: ServerState, body: ResponsesRequest, chat: ChatCompletionRequ
         said: dict[str, Any] = {"role": "assistant", "content": _content(result)}
         if result.tools is not None and result.tools.calls:
             said["tool_calls"] = result.tools.calls
-        stored = _stored(state)
+        stored = state.responses
         stored[response["id"]] = {"response": response, "conversation": [*chat_messages(chat), said]}
         while len(stored) > STORED:
             stored.popitem(last=False)
@@ -259,5 +254,5 @@ async def stream(state: ServerState, body: ResponsesRequest, chat: ChatCompletio
 
 
 def retrieve(state: ServerState, response_id: str) -> dict[str, Any] | None:
-    stored = _stored(state).get(response_id)
+    stored = state.responses.get(response_id)
     return None if stored is None else stored["response"]

@@ -278,6 +278,11 @@ NOT_HONOURED = [
 
 @pytest.mark.parametrize("field, extra", NOT_HONOURED, ids=[f"{f}-{i}" for i, (f, _) in enumerate(NOT_HONOURED)])
 def test_a_field_that_is_not_honoured_is_refused_by_name(server, field, extra):
+    _assert_refused_by_name(server, field, extra)
+
+
+def _assert_refused_by_name(server, field: str, extra: dict) -> None:
+    """A chat request with ``extra`` is a 400 whose message names ``field``."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
     r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=headers, json=body)
@@ -530,10 +535,7 @@ BAD_CONTROLS = [
 
 @pytest.mark.parametrize("field, extra", BAD_CONTROLS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_CONTROLS)])
 def test_a_bad_grammar_or_bias_is_a_400_naming_its_field(server, field, extra):
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=headers, json=body)
-    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    _assert_refused_by_name(server, field, extra)
 
 
 # ---- prompt logprobs (echo), as lm-eval's loglikelihood requests send them
