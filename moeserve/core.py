@@ -315,6 +315,9 @@ class ForwardBatch:
     # many sequences: a two-batch-overlap micro-batch gives its whole batch's, so that splitting
     # a batch changes no sequence's order of reduction
     launch_batch_size: int | None = None
+    # a CUDA graph's bound on every sequence's length (DeepSeek-V3.2's indexer sizes its scores by
+    # it); None: the longest of ``seq_lens_cpu``
+    context_bucket: int | None = None
 
     def dp_info(self) -> DPInfo:
         return self.dp or DPInfo([self.num_tokens], [self.batch_size], "normal")
@@ -335,6 +338,11 @@ class ForwardBatch:
     @property
     def seq_lens_cpu(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
+
+    @property
+    def max_context(self) -> int:
+        """A bound on every sequence's length, known on the host."""
+        return self.context_bucket if self.context_bucket is not None else max(self.seq_lens_cpu, default=0)
 
     def last_token_index(self) -> torch.Tensor:
         """[B] index of each sequence's last new token in the flat token dimension."""

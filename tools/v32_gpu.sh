@@ -9,9 +9,13 @@
 #            models at 32 x 4K, 256 x 4K, 256 x 32K and 32 x 128K sequences x cached tokens
 #   prefill  bench one-batch, one prompt of 4K, 32K and 128K tokens (4 layers, FP8, chunks of
 #            16K tokens) for both models
+#   json     bench one-batch, DeepSeek-V3 (4 layers, FP8), decode at 64 and 256 sequences with 0 and
+#            half of the batch held to a JSON schema (xgrammar, through the engine's sampler)
+#   deploy   bench deployment (61 layers), decode at the reference's layout, both models, as many
+#            sequences a GPU as V3.2 fits on an 80 GB card: 224 over 2K (the reference: 256), 12 over 32K
 # Run from the repository root with the machine's python3 (torch with CUDA, Triton). The image lacks
 # the HTTP stack the CLI imports: carry cp312 wheels of fastapi, uvicorn, pyzmq, msgspec,
-# prometheus_client and httpx in tmp/wheels (`pip download --only-binary=:all: --python-version 3.12
+# prometheus_client, httpx (and xgrammar with apache-tvm-ffi for the json step) in tmp/wheels (`pip download --only-binary=:all: --python-version 3.12
 # -d tmp/wheels ...`); they are installed into /tmp/site.
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 set -uo pipefail
@@ -32,8 +36,10 @@ echo "=== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --form
 for s in ${*:-${STEPS:-tests decode prefill}}; do
     case $s in
     tests)
+        # shellcheck disable=SC2086
         step tests "${TESTS_LIMIT:-300}" python3 -m pytest -p no:cacheprovider -q -rfE -m gpu --durations=10 \
-            tests/kernels/test_indexer.py tests/models/test_v32.py tests/kernels/test_triton_mla.py ;;
+            ${TESTS:-tests/kernels/test_indexer.py tests/models/test_v32.py tests/kernels/test_triton_mla.py \
+            tests/executor/test_cuda_graph.py} ;;
     decode)
         for shape in $DECODE_SHAPES; do
             for preset in dsv3 dsv32; do
@@ -47,8 +53,20 @@ for s in ${*:-${STEPS:-tests decode prefill}}; do
             for preset in dsv3 dsv32; do
                 step "prefill-$preset-$n" "${BENCH_LIMIT:-240}" $M bench one-batch --preset "$preset" --num-layers 4 \
                     --quantization fp8 --batch-size 1 --input-len "$n" --output-len 1 --max-prefill-tokens 16384 \
-                    --json "$OUT/prefill_${preset}_$n.json"
+                    --max-total-tokens $((n + 65536)) --json "$OUT/prefill_${preset}_$n.json"
             done
+        done ;;
+    json)
+        step json "${BENCH_LIMIT:-240}" $M bench one-batch --preset dsv3 --num-layers 4 --quantization fp8 \
+            --batch-size 64 256 --input-len 128 --output-len 64 --json-schema-share 0 0.5 \
+            --json "$OUT/json_schema.json" ;;
+    deploy)
+        for preset in dsv3 dsv32; do
+            step "deploy-$preset-2k" "${DEPLOY_LIMIT:-200}" $M bench deployment --preset "$preset" --roles decode \
+                --overlap on --repeats 2 --batch-per-rank "${DEPLOY_BATCH_2K:-224}" --json "$OUT/deploy_${preset}_2k.json"
+            step "deploy-$preset-32k" "${DEPLOY_LIMIT:-200}" $M bench deployment --preset "$preset" --roles decode \
+                --overlap on --repeats 2 --context 32768 --batch-per-rank "${DEPLOY_BATCH_32K:-12}" \
+                --json "$OUT/deploy_${preset}_32k.json"
         done ;;
     *) echo "unknown step $s"; status=1 ;;
     esac

@@ -23,10 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.bench.structured import json_constraints, sample_step
 from moeserve.cache import PagePool
 from moeserve.config import EngineConfig, build_engine_config, default_page_size, engine_config_for
 from moeserve.core import ForwardMode, Req, SamplingParams, ScheduleBatch, ScheduledSeq
+from moeserve.executor.grammar import Constraint
 from moeserve.executor.model_runner import ModelRunner
+from moeserve.executor.sampler import Sampler
 from moeserve.flags import add_config_flags
 
 GB = 1e9
@@ -66,6 +69,10 @@ def add_one_batch_args(p: argparse.ArgumentParser) -> None:
                         "roofline (bench/roofline.py; FP8 weights at the fp8 matmul rate)")
     p.add_argument("--profile", action="store_true",
                    help="after timing, run one more pass under torch.profiler and print its top kernels")
+    p.add_argument("--json-schema-share", type=float, nargs="+", default=None, metavar="SHARE",
+                   help="one run per value and batch size with this share of the batch held to a JSON schema by "
+                        "xgrammar, every step through the engine's sampler (bench/structured.py); 0 is the "
+                        "baseline through the same path")
 
 
 # ----------------------------------------------------------------------------------------- config
@@ -179,14 +186,30 @@ def prefill(runner: ModelRunner, reqs: list[Req], max_tokens: int, device: torch
     return total
 
 
-def decode_step(runner: ModelRunner, reqs: list[Req], device: torch.device) -> float:
-    """One token for every request. Returns seconds."""
+def decode_step(runner: ModelRunner, reqs: list[Req], device: torch.device, grammars: Grammars | None = None) -> float:
+    """One token for every request (``grammars``: through the sampler, its rows masked). Returns
+    seconds."""
     seqs = [ScheduledSeq(r, r.seq_len - 1, r.seq_len) for r in reqs]
-    seconds, tokens = timed_forward(runner, ScheduleBatch(ForwardMode.DECODE, seqs), device)
+    batch = ScheduleBatch(ForwardMode.DECODE, seqs)
+    if grammars is None:
+        seconds, tokens = timed_forward(runner, batch, device)
+    else:
+        sync(device)
+        start = time.perf_counter()
+        tokens = sample_step(runner.forward(batch), reqs, grammars.constraints, grammars.sampler)
+        seconds = time.perf_counter() - start
     for req, token in zip(reqs, tokens):
         req.kv_len = req.seq_len
         req.output_ids.append(token)
     return seconds
+
+
+@dataclass
+class Grammars:
+    """A pass's matchers (None for a free row) and the sampler its steps go through."""
+
+    constraints: list[Constraint | None]
+    sampler: Sampler = dataclasses.field(default_factory=Sampler)
 
 
 @dataclass
@@ -197,15 +220,19 @@ class Pass:
 
 
 def run_pass(runner: ModelRunner, prompts: list[list[int]], output_len: int, max_prefill_tokens: int,
-             pool: PagePool | None = None) -> Pass:
-    """Prefill, then ``output_len - 1`` decode steps; the pages (of ``pool``, or of a new
+             pool: PagePool | None = None, json_schema_share: float | None = None, seed: int = 0) -> Pass:
+    """Prefill, then ``output_len - 1`` decode steps (with ``json_schema_share``: through the
+    sampler, that share of the rows held to a JSON schema); the pages (of ``pool``, or of a new
     allocator over the runner's cache) are given back at the end."""
     device = torch.device(runner.config.load.device)
+    grammars = None
+    if json_schema_share is not None:
+        grammars = Grammars(json_constraints(runner.config.model.vocab_size, len(prompts), json_schema_share, seed))
     pool = pool or runner.new_page_pool()
     reqs = admit(pool, prompts, output_len)
     try:
         prefill_s = prefill(runner, reqs, max_prefill_tokens, device)
-        steps = [decode_step(runner, reqs, device) for _ in range(output_len - 1)]
+        steps = [decode_step(runner, reqs, device, grammars) for _ in range(output_len - 1)]
     finally:
         release(pool, reqs)
     return Pass(prefill_s, steps, [r.output_ids for r in reqs])
@@ -246,6 +273,7 @@ class OneBatchResult:
     weights_gb: float
     kv_cache_tokens: int
     tokens_match_warmup: bool | None  # greedy tokens of the timed pass equal the warm-up's
+    json_schema_share: float | None = None  # of the rows held to a JSON schema (None: no sampler)
     prefill_of_roofline: float | None = None  # with --roofline: the time over its floor (1 is the floor)
     decode_of_roofline: float | None = None
 
@@ -262,16 +290,18 @@ def weights_bytes(runner: ModelRunner) -> int:
 
 
 def bench_one_batch(runner: ModelRunner, batch_size: int, input_len: int, output_len: int,
-                    max_prefill_tokens: int = 16384, seed: int = 0, warmup: bool = True) -> OneBatchResult:
+                    max_prefill_tokens: int = 16384, seed: int = 0, warmup: bool = True,
+                    json_schema_share: float | None = None) -> OneBatchResult:
     """Time one batch on ``runner``: a warm-up pass, then the measured one."""
     if batch_size < 1 or input_len < 1 or output_len < 1:
         raise ValueError("batch_size, input_len and output_len must be >= 1")
     device = torch.device(runner.config.load.device)
     prompts = random_prompts(batch_size, input_len, runner.config.model.vocab_size, seed)
-    first = run_pass(runner, prompts, output_len, max_prefill_tokens) if warmup else None
+    grammar = dict(json_schema_share=json_schema_share, seed=seed)
+    first = run_pass(runner, prompts, output_len, max_prefill_tokens, **grammar) if warmup else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    timed = run_pass(runner, prompts, output_len, max_prefill_tokens)
+    timed = run_pass(runner, prompts, output_len, max_prefill_tokens, **grammar)
     peak = torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None
     step = statistics.median(timed.step_s) if timed.step_s else None
     return OneBatchResult(
@@ -282,6 +312,7 @@ def bench_one_batch(runner: ModelRunner, batch_size: int, input_len: int, output
         decode_steps=len(timed.step_s), peak_memory_gb=peak, weights_gb=weights_bytes(runner) / GB,
         kv_cache_tokens=runner.max_total_tokens,
         tokens_match_warmup=None if first is None else first.tokens == timed.tokens,
+        json_schema_share=json_schema_share,
     )
 
 
@@ -315,16 +346,19 @@ def format_results(config: EngineConfig, results: list[OneBatchResult]) -> str:
     if head:
         lines.append(f"weights {_size(head.weights_gb)}, KV cache {head.kv_cache_tokens} tokens")
     roof = any(r.prefill_of_roofline is not None for r in results)
+    shares = any(r.json_schema_share is not None for r in results)
     lines.append(f"{'batch':>6} {'input':>6} {'output':>6} {'prefill s':>10} {'prefill tok/s':>14} "
                  f"{'decode ms':>10} {'decode tok/s':>13} {'peak GB':>8}"
-                 + (f" {'prefill/roofline':>17} {'decode/roofline':>16}" if roof else ""))
+                 + (f" {'prefill/roofline':>17} {'decode/roofline':>16}" if roof else "")
+                 + (f" {'JSON share':>11}" if shares else ""))
     for r in results:
         note = "" if r.tokens_match_warmup in (None, True) else "  (tokens differ from the warm-up pass)"
         ratios = (f" {_num(r.prefill_of_roofline, '>16.2f')}x {_num(r.decode_of_roofline, '>15.2f')}x"
                   if roof else "")
         lines.append(f"{r.batch_size:>6} {r.input_len:>6} {r.output_len:>6} {r.prefill_s:>10.4f} "
                      f"{r.prefill_tok_s:>14.1f} {_num(r.decode_step_ms, '>10.3f')} "
-                     f"{_num(r.decode_tok_s, '>13.1f')} {_num(r.peak_memory_gb, '>8.2f')}{ratios}{note}")
+                     f"{_num(r.decode_tok_s, '>13.1f')} {_num(r.peak_memory_gb, '>8.2f')}{ratios}"
+                     + (f" {_num(r.json_schema_share, '>11.2f')}" if shares else "") + note)
     return "\n".join(lines)
 
 
@@ -353,11 +387,12 @@ def run_one_batch_benchmark(args: argparse.Namespace) -> int:
               f"fp8 {ceilings.fp8_tflops:.0f} TFLOP/s", file=sys.stderr, flush=True)
     results = []
     for batch_size in args.batch_size:
-        results.append(bench_one_batch(runner, batch_size, args.input_len, args.output_len,
-                                       args.max_prefill_tokens, args.seed))
-        if ceilings is not None:
-            attach_roofline(config, results[-1], ceilings)
-        print(format_results(config, results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+        for share in args.json_schema_share or [None]:
+            results.append(bench_one_batch(runner, batch_size, args.input_len, args.output_len,
+                                           args.max_prefill_tokens, args.seed, json_schema_share=share))
+            if ceilings is not None:
+                attach_roofline(config, results[-1], ceilings)
+            print(format_results(config, results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
         if args.profile:
             prompts = random_prompts(batch_size, args.input_len, config.model.vocab_size, args.seed)
             print(profile_pass(runner, prompts, args.output_len, args.max_prefill_tokens), flush=True)

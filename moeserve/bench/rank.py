@@ -510,6 +510,12 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH")
     # smaller loads, for a smoke test on a small device (the reference's are the defaults)
     p.add_argument("--scale-load", type=float, default=1.0, help="multiply the reference's per-rank load by this")
+    # longer sequences than the reference's (its 2,000-token decode contexts, 4,096-token prompts)
+    p.add_argument("--context", type=int, default=None, help="decode: cached tokens per sequence instead")
+    p.add_argument("--batch-per-rank", type=int, default=None,
+                   help="decode: sequences a GPU instead (fewer fit over long contexts)")
+    p.add_argument("--input-len", type=int, default=None,
+                   help="prefill: prompts of this many tokens instead (a rank's tokens at least one prompt)")
 
 
 def run_deployment_benchmark(args: argparse.Namespace) -> int:
@@ -532,10 +538,11 @@ def run_deployment_benchmark(args: argparse.Namespace) -> int:
     for role in args.roles:
         r = ref[role]
         for tbo in overlaps:
-            load = (dict(tokens_per_rank=max(1, int(r["tokens_per_rank"] * args.scale_load)),
-                         input_len=max(1, int(r["input_len"] * args.scale_load))) if role == "prefill"
-                    else dict(batch_per_rank=max(2, int(r["batch_per_rank"] * args.scale_load)),
-                              context=max(1, int(r["context"] * args.scale_load))))
+            input_len = (args.input_len or max(1, int(r["input_len"] * args.scale_load))) if role == "prefill" else 0
+            load = (dict(tokens_per_rank=max(1, int(r["tokens_per_rank"] * args.scale_load), input_len),
+                         input_len=input_len) if role == "prefill"
+                    else dict(batch_per_rank=args.batch_per_rank or max(2, int(r["batch_per_rank"] * args.scale_load)),
+                              context=args.context or max(1, int(r["context"] * args.scale_load))))
             spec = RankSpec(role, r["ep_size"], r["redundant"], balancedness=args.balancedness,
                             two_batch_overlap=tbo, **load)
             out = run_rank(model, spec, network, device=args.device, quantization=args.quantization,

@@ -17,6 +17,11 @@ decode step the ranks agree on one bucket (``DPInfo.graph_bucket``, the smallest
 largest DP group's batch): every rank pads to it and replays, an idle rank with padding only.
 The dispatch inside must need no host sync: the MoE layers run low-latency dispatch (or none).
 
+A sparse-attention model (DeepSeek-V3.2) sizes its indexer's scores by the widest context in the
+step; a graph fixes that width, so its graphs are per (batch bucket, context bucket): contexts up
+to ``index_topk`` (no selection: dense MLA), then widths growing 4x up to the context length
+(``context_buckets``). A step replays the smallest context bucket holding its longest sequence.
+
 Speculative decoding's steps have graphs of their own (``VerifyGraphs``, ``MtpGraphs``): every
 sequence carries the same ``width`` of new tokens (a verify step's last token and drafts; the MTP
 module's pass over them; a draft step's one), so a bucket is ``width`` rows a sequence and its
@@ -42,6 +47,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PADDING_SLOT = 0  # in page 0, which the page pool never hands out
+CONTEXT_GROWTH = 4  # a sparse model's context buckets: index_topk, then 4x wider each up to the context length
+
+
+def context_buckets(index_topk: int | None, context_length: int) -> list[int | None]:
+    """The widths a sparse model's graphs are captured at, smallest first (``[None]``: a dense
+    model, whose graphs take every length from device tensors). A last bucket less than twice its
+    predecessor replaces it."""
+    if not index_topk:
+        return [None]
+    buckets = [index_topk]
+    while buckets[-1] < context_length:
+        buckets.append(min(buckets[-1] * CONTEXT_GROWTH, context_length))
+    if len(buckets) > 2 and buckets[-1] < 2 * buckets[-2]:
+        del buckets[-2]
+    return buckets
+
+
+Key = tuple[int, int | None]  # a graph's batch bucket and context bucket
 
 
 class GraphBuckets:
@@ -57,9 +80,11 @@ class GraphBuckets:
         self.runner, self.width = runner, width
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_bs = self.batch_sizes[-1]
+        cfg = runner.config
+        self.context_buckets = context_buckets(cfg.model.index_topk, cfg.context_length)
         self._init_buffers(runner.device, runner.kv_pool.num_slots + self.max_bs * width)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.graphs: dict[Key, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[Key, tuple[torch.Tensor, ...]] = {}
         self.replays = 0
         # several ranks: a bucket's step with every DP group at its size; the agreement picks the bucket
         self.dp_of = dp_of
@@ -76,14 +101,17 @@ class GraphBuckets:
         self.steps = torch.arange(self.max_bs + 1, device=device) * self.width
 
     def can_run(self, batch: ForwardBatch) -> bool:
+        if not self.can_hold(batch):
+            return False
         if self.dp_of is not None:  # several ranks replay together what they agreed (an idle rank too)
             return batch.dp is not None and batch.dp.graph_bucket is not None
         return (batch.mode is self.mode and 0 < batch.batch_size <= self.max_bs
                 and batch.num_tokens == batch.batch_size * self.width)
 
-    def _static_batch(self, lo: int, hi: int, launch: int | None = None) -> ForwardBatch:
-        """Sequences ``lo:hi`` of the buffers as a batch; a later part's ``kv_indptr`` does not
-        start at 0, which the kernels allow (they read each sequence's bounds)."""
+    def _static_batch(self, lo: int, hi: int, context: int | None, launch: int | None = None) -> ForwardBatch:
+        """Sequences ``lo:hi`` of the buffers as a batch whose contexts are at most ``context``
+        (None: any); a later part's ``kv_indptr`` does not start at 0, which the kernels allow
+        (they read each sequence's bounds)."""
         n, w = hi - lo, self.width
         return ForwardBatch(
             mode=self.mode, input_ids=self.input_ids[lo * w:hi * w], positions=self.positions[lo * w:hi * w],
@@ -91,25 +119,29 @@ class GraphBuckets:
             extend_lens=self.extend_lens[lo:hi], kv_indptr=self.kv_indptr[lo:hi + 1], kv_indices=self.kv_indices,
             prefix_lens_cpu=[0] * n, extend_lens_cpu=[w] * n, kv_pool=self.runner.kv_pool,
             page_size=self.runner.page_size,  # the padding slot is token 0 of page 0
-            launch_batch_size=launch, dp=self.dp_of(n) if self.dp_of is not None else None,
+            launch_batch_size=launch, dp=self.dp_of(n) if self.dp_of is not None else None, context_bucket=context,
         )
 
-    def _run(self, bs: int) -> tuple[torch.Tensor, ...]:
-        """The step over bucket ``bs``'s buffers; its outputs, ``width`` rows a sequence or one."""
+    def _run(self, bs: int, context: int | None) -> tuple[torch.Tensor, ...]:
+        """The step over bucket ``(bs, context)``'s buffers; its outputs, ``width`` rows a sequence
+        or one."""
         raise NotImplementedError
 
     @torch.inference_mode()
     def capture_all(self) -> GraphBuckets:
         # largest first: the smaller graphs reuse the first one's memory
-        for bs in tqdm(reversed(self.batch_sizes), total=len(self.batch_sizes),
-                       desc=f"capturing {self.name} CUDA graphs", unit="graph", leave=False):
-            self._capture(bs)
-        logger.info("captured %d %s CUDA graphs for batch sizes up to %d", len(self.graphs), self.name, self.max_bs)
+        keys = [(bs, ctx) for bs in reversed(self.batch_sizes) for ctx in reversed(self.context_buckets)]
+        for key in tqdm(keys, desc=f"capturing {self.name} CUDA graphs", unit="graph", leave=False):
+            self._capture(key)
+        contexts = "" if self.context_buckets == [None] else f" and contexts up to {self.context_buckets}"
+        logger.info("captured %d %s CUDA graphs for batch sizes up to %d%s", len(self.graphs), self.name, self.max_bs,
+                    contexts)
         return self
 
-    def _capture(self, bs: int) -> None:
+    def _capture(self, key: Key) -> None:
         if self.eager:
             return
+        bs = key[0]
         rows = bs * self.width
         self.kv_indptr[:bs + 1].copy_(self.steps[:bs + 1])  # every dummy sequence: the padding slot
         self.kv_indices[:rows].fill_(PADDING_SLOT)
@@ -118,16 +150,16 @@ class GraphBuckets:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile kernels and warm up libraries outside the capture
             for _ in range(2):
-                self._run(bs)
+                self._run(*key)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[bs] = self._run(bs)
-        self.graphs[bs] = graph
+            self.outputs[key] = self._run(*key)
+        self.graphs[key] = graph
 
-    def load(self, batch: ForwardBatch) -> int:
+    def load(self, batch: ForwardBatch) -> Key:
         """Copy ``batch`` into the buffers, padded with dummy sequences up to its bucket (with several
-        ranks, the agreed one); the bucket."""
+        ranks, the agreed one); the bucket and the context bucket of its longest sequence."""
         n, w = batch.batch_size, self.width
         if self.dp_of is not None:
             bs = batch.dp.graph_bucket
@@ -142,17 +174,23 @@ class GraphBuckets:
         self.kv_indices[total:total + (bs - n) * w].fill_(PADDING_SLOT)
         self.kv_indptr[:n + 1].copy_(batch.kv_indptr)
         self.kv_indptr[n + 1:bs + 1] = batch.kv_indptr[n] + self.steps[1:bs - n + 1]
-        return bs
+        longest = max(batch.seq_lens_cpu, default=0)
+        return bs, next(c for c in self.context_buckets if c is None or c >= longest)
 
-    def play(self, bs: int, rows: int) -> tuple[torch.Tensor, ...]:
-        """Replay bucket ``bs``; the first ``rows`` rows of each output, copied (the next replay
+    def can_hold(self, batch: ForwardBatch) -> bool:
+        """Whether some context bucket holds the batch's longest sequence."""
+        last = self.context_buckets[-1]
+        return last is None or max(batch.seq_lens_cpu, default=0) <= last
+
+    def play(self, key: Key, rows: int) -> tuple[torch.Tensor, ...]:
+        """Replay bucket ``key``; the first ``rows`` rows of each output, copied (the next replay
         overwrites the captured outputs)."""
         if self.eager:
-            self.outputs[bs] = self._run(bs)
+            self.outputs[key] = self._run(*key)
         else:
-            self.graphs[bs].replay()
+            self.graphs[key].replay()
         self.replays += 1
-        return tuple(out[:rows].clone() for out in self.outputs[bs])
+        return tuple(out[:rows].clone() for out in self.outputs[key])
 
 
 class CudaGraphRunner(GraphBuckets):
@@ -169,13 +207,13 @@ class CudaGraphRunner(GraphBuckets):
         """Whether bucket ``bs`` is captured as two micro-batches."""
         return self.overlap_from is not None and bs >= max(self.overlap_from, 2)
 
-    def _run(self, bs: int) -> tuple[torch.Tensor, ...]:
+    def _run(self, bs: int, context: int | None) -> tuple[torch.Tensor, ...]:
         """The logits of bucket ``bs`` (a row a sequence), whole or as two micro-batches."""
-        runner, whole = self.runner, self._static_batch(0, bs)
+        runner, whole = self.runner, self._static_batch(0, bs, context)
         if not self.overlapped(bs):
             return (runner.model.compute_logits(runner.run_layers(whole), whole),)
         half = (bs + 1) // 2  # as ``overlap.split_batch`` halves a decode batch
-        parts = (self._static_batch(0, half, launch=bs), self._static_batch(half, bs, launch=bs))
+        parts = (self._static_batch(0, half, context, launch=bs), self._static_batch(half, bs, context, launch=bs))
         return (runner.model.compute_logits(torch.cat(runner.run_layers_two(parts, extend=False)), whole),)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
@@ -190,8 +228,8 @@ class VerifyGraphs(GraphBuckets):
     mode = ForwardMode.VERIFY
     name = "verify"
 
-    def _run(self, bs: int) -> tuple[torch.Tensor, ...]:
-        batch = self._static_batch(0, bs)
+    def _run(self, bs: int, context: int | None) -> tuple[torch.Tensor, ...]:
+        batch = self._static_batch(0, bs, context)
         hidden = self.runner.run_layers(batch)
         return self.runner.model.compute_logits(hidden, batch), hidden
 
@@ -214,12 +252,13 @@ class MtpGraphs(GraphBuckets):
         cfg = runner.config.model
         self.prev_hidden = torch.zeros(self.max_bs * width, cfg.hidden_size, dtype=runner.dtype, device=runner.device)
 
-    def _run(self, bs: int) -> tuple[torch.Tensor, ...]:
+    def _run(self, bs: int, context: int | None) -> tuple[torch.Tensor, ...]:
         model = self.runner.model
-        return (model.mtp(self._static_batch(0, bs), self.prev_hidden[:bs * self.width], model.model.embed_tokens),)
+        return (model.mtp(self._static_batch(0, bs, context), self.prev_hidden[:bs * self.width],
+                          model.model.embed_tokens),)
 
     def replay(self, batch: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
-        bs, rows = self.load(batch), batch.num_tokens
+        key, rows = self.load(batch), batch.num_tokens
         self.prev_hidden[:rows].copy_(prev_hidden)
-        self.prev_hidden[rows:bs * self.width].zero_()
-        return self.play(bs, rows)[0]
+        self.prev_hidden[rows:key[0] * self.width].zero_()
+        return self.play(key, rows)[0]

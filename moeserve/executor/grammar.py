@@ -182,6 +182,14 @@ class GrammarBackend:
         return Constraint(llguidance.LLMatcher(self._library, compiled), self.name)
 
 
+@functools.cache
+def _xgrammar_batch() -> Any:
+    """xgrammar's filler of many matchers' bitmasks at once, on its own threads."""
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher(max_threads="auto")
+
+
 def apply_grammars(logits: torch.Tensor, constraints: list[Constraint | None]) -> torch.Tensor:
     """``logits [B, V]`` float32 with every token a row's grammar forbids at -inf (in place; the
     rows without a grammar, or whose grammar is done, untouched)."""
@@ -195,8 +203,8 @@ def apply_grammars(logits: torch.Tensor, constraints: list[Constraint | None]) -
 
             mine = [i for i in rows if constraints[i].backend == backend]
             bitmask = xgr.allocate_token_bitmask(len(constraints), width)
-            for i in mine:
-                constraints[i].matcher.fill_next_token_bitmask(bitmask, i)
+            _xgrammar_batch().batch_fill_next_token_bitmask([constraints[i].matcher for i in mine], bitmask,
+                                                            indices=mine)
             xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=mine)
         else:
             import llguidance.torch as llg_torch

@@ -148,9 +148,6 @@ class ModelRunner:
             return None
         if cfg.eplb.recorder_mode == "per_token":  # its token streams are kept per step, outside a graph
             return None
-        if cfg.model.index_topk:  # V3.2's selection sizes its work on the host each step: no graphs yet
-            logger.info("CUDA graphs are off: sparse attention (index_topk) runs eagerly")
-            return None
         sizes = [b for b in cfg.runner.graph_batch_sizes(cfg.scheduler.max_running_requests) if self._graph_fits(b)]
         if not sizes:
             return None

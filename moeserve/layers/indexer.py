@@ -62,14 +62,15 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(hidden))  # [T, D]
         k = self._rope(k.unsqueeze(1), cos, sin).squeeze(1)
         batch.kv_pool.write_index(self.layer_id, batch.out_cache_loc, k)
-        if max(batch.seq_lens_cpu, default=0) <= self.topk:
+        width = batch.max_context  # under a CUDA graph, its context bucket
+        if width <= self.topk:
             return None
         q = self._rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), cos, sin)
         weights = F.linear(hidden.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, H]
         seq_of_row = torch.repeat_interleave(torch.arange(len(batch.extend_lens_cpu), device=hidden.device),
                                              batch.extend_lens, output_size=hidden.shape[0])
         return select_topk(q, weights, batch.kv_pool.index_keys(self.layer_id), batch.kv_indptr, batch.kv_indices,
-                           seq_of_row, batch.positions, self.topk, max(batch.seq_lens_cpu))
+                           seq_of_row, batch.positions, self.topk, width)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rope on the first ``rope_dim`` dims of ``x [T, H, D]``, half paired with half."""

@@ -123,3 +123,31 @@ def test_roofline_ratios_are_each_time_over_its_floor_and_need_a_gpu(runner, cap
     assert r.decode_of_roofline == pytest.approx(r.decode_step_ms / 1e3 / decode)
     assert main(["bench", "one-batch", "--preset", "dsv3", "--num-layers", "2", "--device", "cpu", "--roofline"]) != 0
     assert "--roofline measures the GPU's ceilings: it needs --device cuda" in capsys.readouterr().err
+
+
+def test_a_share_of_the_batch_held_to_a_json_schema_leaves_the_other_rows_alone(runner):
+    """``--json-schema-share``: the constrained rows write what the schema allows (a new matcher
+    takes every token), the free rows write the greedy tokens
+    of a pass without grammars."""
+    import xgrammar as xgr
+
+    from moeserve.bench.structured import SCHEMA, synthetic_vocab
+
+    vocab_size = runner.config.model.vocab_size
+    prompts = random_prompts(4, 5, vocab_size, seed=2)
+    free = run_pass(runner, prompts, output_len=30, max_prefill_tokens=64, json_schema_share=0.0)
+    half = run_pass(runner, prompts, output_len=30, max_prefill_tokens=64, json_schema_share=0.5)
+    assert half.tokens[2:] == free.tokens[2:] and half.tokens[:2] != free.tokens[:2]
+    vocab = synthetic_vocab(vocab_size)
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=[vocab_size - 1])
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(SCHEMA, any_whitespace=False)
+    for tokens in half.tokens[:2]:
+        matcher = xgr.GrammarMatcher(compiled)
+        for token in tokens[1:]:  # the prefill's token is free
+            assert matcher.accept_token(token)
+            if matcher.is_terminated():
+                matcher.reset()
+        assert b"".join(vocab[t] for t in tokens[1:]).startswith(b'{"items":')
+    with pytest.raises(ValueError, match="json_schema_share"):
+        run_pass(runner, prompts, output_len=2, max_prefill_tokens=64, json_schema_share=1.5)

@@ -229,12 +229,17 @@ def test_bench_rank_reports_measured_and_modelled_figures(wide_path, tmp_path):
 def test_bench_deployment_prints_both_roles_beside_the_reference(wide_path, tmp_path):
     out = tmp_path / "deployment.json"
     run = _cli("bench", "deployment", "--model-path", wide_path, "--quantization", "none", "--scale-load", "0.01",
-               "--overlap", "off", "--repeats", "1", "--json", str(out))
+               "--overlap", "off", "--repeats", "1", "--context", "37", "--input-len", "200", "--batch-per-rank", "3",
+               "--json", str(out))
     assert run.returncode == 0, run.stderr
     for needle in ("50,302", "22,282", "DeepSeek profile", "prefill (EP32)", "decode (EP72)", "moeserve, modelled"):
         assert needle in run.stdout
     report = json.loads(out.read_text())
     assert [r["role"] for r in report["results"]] == ["prefill", "decode"]
+    prefill, decode = (r["spec"] for r in report["results"])
+    # the longer sequences asked for (the reference's load scaled by 0.01: 163 tokens, one prompt of 200)
+    assert (prefill["input_len"], prefill["tokens_per_rank"], decode["context"], decode["batch_per_rank"]) == (
+        200, 200, 37, 3)
     # the same measured operations, scheduled again with another network model: no device needed
     again = tmp_path / "again.json"
     run = _cli("bench", "deployment", "--model-path", wide_path, "--from-json", str(out), "--network", "ib400",

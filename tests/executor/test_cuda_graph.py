@@ -7,6 +7,7 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import RunnerConfig, build_engine_config
+from moeserve.executor.cuda_graph import context_buckets
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.models.tiny import make_tiny_model
 from tests.engine_utils import new_req, pool_of, run_decode, run_extend
@@ -17,6 +18,14 @@ def test_graph_buckets_cover_every_batch_size():
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 60
     assert all(any(b >= n for b in sizes) for n in range(1, 61))
     assert RunnerConfig().graph_batch_sizes(max_running_requests=5) == [1, 2, 4, 5]
+
+
+def test_a_sparse_models_context_buckets_reach_its_context_length():
+    assert context_buckets(None, 163840) == [None]  # dense MLA: any length from device tensors
+    assert context_buckets(2048, 163840) == [2048, 8192, 32768, 163840]  # not 131072 and then 163840
+    assert context_buckets(2048, 4104) == [2048, 4104]
+    assert context_buckets(2048, 1000) == [2048]
+    assert context_buckets(16, 512) == [16, 64, 256, 512]
 
 
 def _runner(path: str, graphs: bool) -> ModelRunner:
@@ -52,10 +61,12 @@ def test_graph_replay_matches_eager_decode(tmp_path):
 
 
 @pytest.mark.gpu
-def test_greedy_tokens_with_and_without_graphs(tmp_path):
-    path = make_tiny_model(str(tmp_path / "m"), preset="v3", seed=1, initializer_range=0.1)
+@pytest.mark.parametrize("preset", ["v3", "v32"])
+def test_greedy_tokens_with_and_without_graphs(tmp_path, preset):
+    """V3.2: prompts past index_topk (16), so the captured graphs of several context buckets select."""
+    path = make_tiny_model(str(tmp_path / "m"), preset=preset, seed=1, initializer_range=0.1)
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 250, (int(n),), generator=gen).tolist() for n in torch.randint(1, 50, (9,), generator=gen)]
+    prompts = [torch.randint(2, 250, (int(n),), generator=gen).tolist() for n in torch.randint(1, 90, (9,), generator=gen)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outs = []
     for disable in (False, True):

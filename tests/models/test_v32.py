@@ -142,6 +142,13 @@ SPARSE_LAYOUTS = {
     "tp4-dp2-normal-dense2-dplmhead": LAYOUTS["tp4-dp2-normal-dense2-dplmhead"],
     # MTP drafts verified per draft position, each with its own selection
     "mtp": {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2},
+    # decode through the graph buckets (run eagerly, as a CPU cannot capture): the indexer sized by
+    # each step's context bucket (16, 64, ... for index_topk 16), buckets of two micro-batches
+    "graphs-tbo": {"debug_eager_graphs": True, "enable_two_batch_overlap": True, "tbo_min_tokens": 2},
+    # several ranks replaying the bucket they agreed, each with the context bucket of its own batch
+    "tp2-dp2-lowlatency-graphs": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True,
+                                  "moe_a2a_backend": "torch", "deepep_mode": "low_latency",
+                                  "max_dispatch_tokens_per_rank": 8, "debug_eager_graphs": True},
 }
 
 
