@@ -252,8 +252,14 @@ class CacheConfig:
     disable_radix_cache: bool = flag(False, "do not share the KV of common prompt prefixes between requests (the "
                                             "prefix cache is on for monolithic and prefill servers, off on decode "
                                             "servers, which receive their KV)")
+    kv_cache_dtype: str = flag("auto", "the latent cache's dtype: auto (the model's, the only one so far; "
+                                       "fp8_e4m3 and fp8_e5m2 are refused until the FP8 cache exists)")
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto":
+            known = self.kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2", "fp8", "bf16", "bfloat16", "float16", "float32")
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: only 'auto' (the model's "
+                             f"dtype) is" + (" for now; the FP8 latent cache is not built yet" if known else ""))
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

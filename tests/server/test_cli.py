@@ -146,8 +146,12 @@ def test_an_sglang_deepseek_launch_line_parses_and_means_what_it_says(tmp_path, 
         "serve", "--model-path", path, "--trust-remote-code", "--enable-metrics", "--tp-size", "1",
         "--chat-template", str(template), "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3", "--tool-call-parser", "deepseekv3",
-        "--reasoning-parser", "deepseek-r1", "--grammar-backend", "llguidance"])
+        "--reasoning-parser", "deepseek-r1", "--grammar-backend", "llguidance", "--kv-cache-dtype", "auto"])
     engine = build_engine_config(path, **engine_settings(args))
+    assert engine.cache.kv_cache_dtype == "auto"
+    fp8 = build_parser().parse_args(["serve", "--model-path", path, "--kv-cache-dtype", "fp8_e4m3"])
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e4m3' is not supported.*FP8 latent cache"):
+        build_engine_config(path, **engine_settings(fp8))
     assert engine.spec.enabled and engine.spec.num_drafts == 2 and engine.scheduler.grammar_backend == "llguidance"
     server = ServerConfig(**{n: getattr(args, n) for n, *_ in config_flags((ServerConfig,))})
     assert (server.tool_call_parser, server.reasoning_parser) == ("deepseekv3", "deepseek-r1")
