@@ -242,6 +242,10 @@ class LoadConfig:
         return DTYPES.get(model.checkpoint_dtype, torch.bfloat16)
 
 
+# --kv-cache-dtype: auto keeps the model dtype; fp8 is an alias of fp8_e4m3 (cache/kv_pool.py)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = flag(16, "tokens per KV-cache page (default: 64 on CUDA, where decode reads whole pages; "
@@ -252,14 +256,15 @@ class CacheConfig:
     disable_radix_cache: bool = flag(False, "do not share the KV of common prompt prefixes between requests (the "
                                             "prefix cache is on for monolithic and prefill servers, off on decode "
                                             "servers, which receive their KV)")
-    kv_cache_dtype: str = flag("auto", "the latent cache's dtype: auto (the model's, the only one so far; "
-                                       "fp8_e4m3 and fp8_e5m2 are refused until the FP8 cache exists)")
+    kv_cache_dtype: str = flag("auto", "the latent cache's dtype: auto (the model's) or fp8_e4m3 (alias fp8: the "
+                                       "latent, rope key and V3.2's index key in FP8 with float32 scales, 596 "
+                                       "bytes a token a layer for V3 against 1,152 in BF16)")
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype != "auto":
-            known = self.kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2", "fp8", "bf16", "bfloat16", "float16", "float32")
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: only 'auto' (the model's "
-                             f"dtype) is" + (" for now; the FP8 latent cache is not built yet" if known else ""))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            hint = "; e5m2 is not built: use fp8_e4m3" if self.kv_cache_dtype == "fp8_e5m2" else ""
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}{hint}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -494,7 +499,8 @@ class EplbConfig:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """How the model runner executes: decode batches replay CUDA graphs captured per batch size."""
+    """How the model runner executes: decode batches replay CUDA graphs captured per batch size; a
+    rank process compiles its kernels before it reports ready (``executor/warmup.py``)."""
 
     disable_cuda_graph: bool = flag(False, "run decode eagerly")
     cuda_graph_max_bs: int = flag(256, "largest decode batch replayed from a CUDA graph")
@@ -509,6 +515,11 @@ class RunnerConfig:
                                                          "half this share of the tokens, else a sequence is cut")
     tbo_min_tokens: int = flag(64, "no overlap for a step whose largest DP batch has fewer tokens (it slows "
                                    "small batches)")
+    skip_server_warmup: bool = flag(False, "report ready without the start-up passes that compile every kernel "
+                                           "variant the batch sizes can reach (the first requests then wait for "
+                                           "those compiles)")
+    triton_cache_dir: str | None = flag(None, "where the ranks keep compiled Triton kernels (their TRITON_CACHE_DIR), "
+                                              "so a restart finds them (default: Triton's own, ~/.triton/cache)")
 
     def __post_init__(self) -> None:
         _require(self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be at least 1")
@@ -610,7 +621,7 @@ class ServerConfig:
     served_model_name: str = flag("default", "default: the model folder's name", cli_default=None)
     # no limit by default, as SGLang and vLLM: a burst waits in the engine instead of being refused
     max_queued_requests: int | None = flag(None, "answer 503 (Retry-After) while this many requests wait for their "
-                                                 "first token (default: no limit)")
+                                                 "first token (default: no limit; counted per API worker)")
     max_request_bytes: int = flag(16 << 20, "answer 413 to a request body larger than this")
     chat_template: str | None = flag(None, "a Jinja chat template (a file, or the template text) instead of the "
                                            "tokenizer's")
@@ -623,8 +634,12 @@ class ServerConfig:
     trust_remote_code: bool = flag(False, "accepted for SGLang's launch lines: moeserve runs no code from the "
                                           "checkpoint")
     enable_metrics: bool = flag(False, "accepted for SGLang's launch lines: /metrics is always served")
+    api_workers: int = flag(1, "HTTP worker processes, each tokenizing, detokenizing and streaming its own "
+                               "requests on the one port (SGLang's --tokenizer-worker-num): one process carries "
+                               "a few hundred streams at engine speed, a decode node's thousands need several")
 
     def __post_init__(self) -> None:
+        _require(self.api_workers >= 1, "api_workers", f"must be >= 1, got {self.api_workers}")
         _require(self.max_queued_requests is None or self.max_queued_requests >= 1, "max_queued_requests",
                  f"must be >= 1, got {self.max_queued_requests}")
         _require(self.max_request_bytes >= 1024, "max_request_bytes", f"must be >= 1024, got {self.max_request_bytes}")

@@ -42,7 +42,9 @@ CUDA graphs and allocator fragmentation are not modelled: they live in the ``1 -
 Budget and KV. ``budget = mem_fraction_static · gpu_memory`` (GiB; an H100 80GB is 80, H200 141).
 Weights + peak activations are charged to it (conservative: SGLang leaves activations to the
 ``1 - f`` remainder); "fits" means they do not exceed it, and the rest is KV cache. A token costs
-``num_layers · kv_cache_dim`` values (576 for V3: the latent plus the rope key) per rank. MLA
+``num_layers`` rows of the pool's layout per rank (``cache.KVLayout``): 576 BF16 values for V3 (the
+latent plus the rope key; 1,152 bytes), or with ``--kv-cache-dtype fp8_e4m3`` 576 FP8 values and
+5 float32 scales (596 bytes, 1.93x the tokens); V3.2 adds its index key. MLA
 caches the latent once per rank: with DP attention each DP rank holds its own requests (no
 duplication, server capacity = N × per-rank); with attention TP the latent is replicated in the
 TP group (server capacity = attn_dp × per-rank).
@@ -74,7 +76,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moeserve.config import ModelConfig
+import torch
+
+from moeserve.cache import KVLayout
+from moeserve.config import KV_CACHE_DTYPES, ModelConfig
 from moeserve.flags import add_config_flags
 
 GiB = 1 << 30
@@ -268,13 +273,19 @@ class Device:
     gpu_memory_gb: float = 80.0  # GiB; 80 = H100, 141 = H200
     mem_fraction_static: float = 0.88
     weight_dtype: str = "bf16"  # "fp8" (1 byte + fp32 block scales) or "bf16"
-    kv_dtype: str = "bf16"
+    kv_cache_dtype: str = "auto"  # the server's --kv-cache-dtype; auto: bf16
 
     def __post_init__(self) -> None:
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.weight_dtype not in ("fp8", "bf16") or self.kv_dtype not in ("fp8", "bf16"):
-            raise ValueError("weight_dtype and kv_dtype must be fp8 or bf16")
+        if self.weight_dtype not in ("fp8", "bf16"):
+            raise ValueError("weight_dtype must be fp8 or bf16")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
+
+    def kv_layout(self, m: ModelConfig) -> KVLayout:
+        """A cache row as the server lays it out (computing in bf16)."""
+        return KVLayout.for_model(m, self.kv_cache_dtype, torch.bfloat16)
 
     @property
     def budget(self) -> int:
@@ -409,8 +420,8 @@ def activation_memory(m: ModelConfig, layout: Layout, work: Workload, dtype: str
     }
 
 
-def kv_bytes_per_token(m: ModelConfig, kv_dtype: str) -> int:
-    return m.num_layers * m.cache_row_dim * (1 if kv_dtype == "fp8" else 2)
+def kv_bytes_per_token(m: ModelConfig, layout: KVLayout) -> int:
+    return m.num_layers * layout.row_bytes
 
 
 # -------------------------------------------------------------------------------------- dense TP
@@ -489,7 +500,7 @@ class Plan:
 
     @property
     def kv_per_token(self) -> int:
-        return kv_bytes_per_token(self.model, self.device.kv_dtype)
+        return kv_bytes_per_token(self.model, self.device.kv_layout(self.model))
 
     @property
     def kv_tokens(self) -> int:
@@ -568,7 +579,7 @@ def _layout_lines(p: Plan) -> list[str]:
         ("EP", str(lay.world)),
         ("routed experts", experts),
         ("LM head / embedding", f"vocab split over {lay.lm_head_tp} rank(s), the {head}"),
-        ("weights / KV dtype", f"{p.device.weight_dtype} / {p.device.kv_dtype}"),
+        ("weights / KV dtype", f"{p.device.weight_dtype} / {p.device.kv_layout(p.model).name}"),
     ])
 
 
@@ -604,7 +615,8 @@ def _kv_lines(p: Plan) -> list[str]:
     ctx, lay = p.work.context, p.layout
     share = "own requests per DP rank" if lay.attn_tp == 1 else f"latent replicated over attention TP {lay.attn_tp}"
     lines = ["KV capacity"] + _rows([
-        ("per token", f"{p.model.num_layers} layers x {p.model.cache_row_dim} values = {p.kv_per_token / 1024:.2f} KiB"),
+        ("per token", f"{p.model.num_layers} layers x {p.device.kv_layout(p.model).row_bytes} bytes = "
+                      f"{p.kv_per_token / 1024:.2f} KiB"),
         ("tokens per rank", f"{p.kv_tokens:,} ({p.kv_tokens // ctx:,} sequences of {ctx})"),
         ("tokens per server", f"{p.kv_tokens_total:,} ({p.kv_tokens_total // ctx:,} sequences; {share})"),
     ])
@@ -648,7 +660,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     # the server's own flags, where a plan reads them; a layout is sized from --world
     add_config_flags(p, {"tp_size", "dp_size", "enable_dp_attention", "moe_dense_tp_size", "enable_dp_lm_head",
                          "ep_num_redundant_experts", "deepep_mode", "enable_two_batch_overlap", "mem_fraction_static",
-                         "max_dispatch_tokens_per_rank"},
+                         "max_dispatch_tokens_per_rank", "kv_cache_dtype"},
                      defaults={"tp_size": None, "dp_size": None, "max_dispatch_tokens_per_rank": None},
                      helps={"tp_size": "default: --world",
                             "dp_size": "default: --world with --enable-dp-attention, else 1",
@@ -656,7 +668,6 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                                                             "in flight; the server's is 128)"})
     p.add_argument("--weight-dtype", choices=["fp8", "bf16"], default=None,
                    help="default: fp8 for an FP8 checkpoint, else bf16")
-    p.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GiB per GPU: 80 = H100, 141 = H200")
     p.add_argument("--phase", choices=["prefill", "decode"], default="prefill")
     p.add_argument("--tokens-per-rank", type=int, default=None,
@@ -676,7 +687,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     work = Workload(args.phase, args.tokens_per_rank, args.context_len, args.deepep_mode,
                     args.max_dispatch_tokens_per_rank, args.enable_two_batch_overlap, args.cuda_graph_k)
     weight_dtype = args.weight_dtype or ("fp8" if model.fp8_block else "bf16")
-    device = Device(args.gpu_memory_gb, args.mem_fraction_static, weight_dtype, args.kv_dtype)
+    device = Device(args.gpu_memory_gb, args.mem_fraction_static, weight_dtype, args.kv_cache_dtype)
     return plan(model, layout, work, device, name)
 
 

@@ -34,6 +34,10 @@ ALLOWED = {
     # bench pd runs a monolithic server and a PD deployment as processes, with the helpers the
     # server's own tests and demo use to start them
     ("moeserve.bench.pd", "moeserve.server.procs"),
+    # bench frontend measures the server's own API processes, over scripted ranks in place of the
+    # engine (``serve``'s ``ranks_factory``), started and stopped as bench pd starts its servers
+    ("moeserve.bench.frontend", "moeserve.server.launch"),
+    ("moeserve.bench.frontend", "moeserve.server.procs"),
 }
 
 

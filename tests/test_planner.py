@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from moeserve.planner import PRESETS, Plan, add_plan_args, plan_from_args, run_plan
+from moeserve.planner import PRESETS, Plan, add_plan_args, format_report, plan_from_args, run_plan
 
 V3 = PRESETS["dsv3"]
 H, I, MI = V3["hidden_size"], V3["intermediate_size"], V3["moe_intermediate_size"]
@@ -95,8 +95,20 @@ def test_kv_capacity_decreases_with_more_weights():
         assert p.kv_per_token == per_token
         assert p.kv_tokens == (p.device.budget - p.weights_total - p.activation_peak) // per_token
         assert p.kv_tokens_total == 32 * p.kv_tokens  # DP attention: no duplication
-    fp8_kv = make_plan("--preset", "dsv3", "--world", "32", "--enable-dp-attention", "--kv-dtype", "fp8")
-    assert fp8_kv.kv_per_token * 2 == plans[0].kv_per_token
+
+
+def test_an_fp8_cache_holds_1_93_times_the_tokens():
+    """596 bytes a token a layer (576 FP8 values, 5 float32 scales) against 1,152 in BF16, what the
+    server's pool takes (``--kv-cache-dtype``, the server's flag and its alias)."""
+    base = ["--preset", "dsv3", "--world", "32", "--enable-dp-attention"]
+    bf16 = make_plan(*base)
+    for name in ("fp8_e4m3", "fp8"):
+        fp8 = make_plan(*base, "--kv-cache-dtype", name)
+        assert fp8.kv_per_token == V3["num_hidden_layers"] * 596 and fp8.kv_bytes == bf16.kv_bytes
+        assert fp8.kv_tokens / bf16.kv_tokens == pytest.approx(1152 / 596, rel=1e-6)  # 1.93x
+        assert "fp8_e4m3" in format_report(fp8) and "61 layers x 596 bytes" in format_report(fp8)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_plan(*base, "--kv-cache-dtype", "fp8_e5m2")
 
 
 def test_attention_tp_replicates_the_latent():

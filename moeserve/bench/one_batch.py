@@ -52,7 +52,7 @@ def add_model_args(p: argparse.ArgumentParser, preset: str | None = None, num_la
                    help="with --preset: dense layers among them (default: the released share, at least 1)")
     add_config_flags(p, names={"load_format", "dtype", "device", "page_size", "max_total_tokens",
                                "mem_fraction_static", "quantization", "disable_cuda_graph", "cuda_graph_max_bs",
-                               "max_prefill_tokens"},
+                               "max_prefill_tokens", "kv_cache_dtype"},
                      defaults={"load_format": None, "device": default_device()})  # None: dummy with --preset
     p.add_argument("--seed", type=int, default=0, help="seeds random weights and prompts")
 
@@ -85,6 +85,7 @@ def engine_config_from_args(args: argparse.Namespace, max_running_requests: int,
         "device": args.device, "dtype": args.dtype, "seed": args.seed, "page_size": args.page_size,
         "max_total_tokens": args.max_total_tokens or max_total_tokens,
         "mem_fraction_static": args.mem_fraction_static, "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "disable_cuda_graph": args.disable_cuda_graph, "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "max_running_requests": max_running_requests,
     }
@@ -105,8 +106,9 @@ def describe(config: EngineConfig) -> str:
     experts = f", {m.n_routed_experts} experts top-{m.num_experts_per_tok}" if moe else ""
     quant = f", {config.load.quantization} weights" if config.load.quantization else ""
     graphs = "off" if config.runner.disable_cuda_graph else f"up to batch {config.runner.cuda_graph_max_bs}"
+    kv = "" if config.cache.kv_cache_dtype == "auto" else f", {config.cache.kv_cache_dtype} KV cache"
     return (f"{m.model_type}, {m.num_layers} layers ({m.num_layers - moe} dense + {moe} MoE){experts}, "
-            f"{config.load.torch_dtype(m)}{quant}, device {config.load.device}, CUDA graphs {graphs}")
+            f"{config.load.torch_dtype(m)}{quant}{kv}, device {config.load.device}, CUDA graphs {graphs}")
 
 
 # ------------------------------------------------------------------------------------------ a pass

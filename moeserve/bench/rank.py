@@ -114,7 +114,7 @@ class RankRunner(ModelRunner):
 
 
 def rank_config(model: ModelConfig, spec: RankSpec, device: str, quantization: str | None,
-                page_size: int | None = None, cuda_graphs: bool = True) -> EngineConfig:
+                page_size: int | None = None, cuda_graphs: bool = True, kv_cache_dtype: str = "auto") -> EngineConfig:
     page = page_size or default_page_size(device)
     if spec.role == "prefill":
         tokens = spec.tokens_per_rank + page * (len(spec.prompts()) + 1)
@@ -126,7 +126,8 @@ def rank_config(model: ModelConfig, spec: RankSpec, device: str, quantization: s
                              max_total_tokens=tokens, max_running_requests=running, chunked_prefill_size=chunk,
                              max_prefill_tokens=chunk, disable_cuda_graph=not cuda_graphs or spec.role == "prefill",
                              cuda_graph_max_bs=max(running, 1), enable_two_batch_overlap=spec.two_batch_overlap,
-                             tbo_min_tokens=2, context_length=max(spec.context + 8, spec.input_len + 8, 16))
+                             tbo_min_tokens=2, context_length=max(spec.context + 8, spec.input_len + 8, 16),
+                             kv_cache_dtype=kv_cache_dtype)
 
 
 # ------------------------------------------------------------------------------------ the step
@@ -150,9 +151,8 @@ def build_step(runner: ModelRunner, spec: RankSpec, seed: int = 0) -> ScheduleBa
         req.page_table = pool.alloc(pool.pages_for(spec.context + 1))
         req.kv_len = spec.context
         seqs.append(ScheduledSeq(req, spec.context, spec.context + 1))
-    buffer = runner.kv_pool.buffer
     torch.manual_seed(seed)
-    buffer.normal_(0, 1)  # real latents to attend over (their values do not change the time)
+    runner.kv_pool.fill_normal_()  # real latents to attend over (their values do not change the time)
     return ScheduleBatch(ForwardMode.DECODE, seqs)
 
 
@@ -282,9 +282,9 @@ def schedule_ms(records: list[OpRecord], comm_ms) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------- the report
 def run_rank(model: ModelConfig, spec: RankSpec, network: NetworkModel, *, device: str, quantization: str | None,
              repeats: int = 10, gpus_per_node: int = 8, gpu_hour_usd: float = 2.0, page_size: int | None = None,
-             seed: int = 0, profile: bool = False) -> dict[str, Any]:
+             seed: int = 0, profile: bool = False, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Build the rank, time its step, schedule it with the network; a JSON-able report."""
-    config = rank_config(model, spec, device, quantization, page_size)
+    config = rank_config(model, spec, device, quantization, page_size, kv_cache_dtype=kv_cache_dtype)
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -323,6 +323,7 @@ def report(model: ModelConfig, spec: RankSpec, network: NetworkModel, measured_m
                                                                        "routed_experts": model.n_routed_experts},
         "device": torch.cuda.get_device_name() if config.load.device == "cuda" else "cpu",
         "quantization": config.load.quantization, "dtype": str(config.load.torch_dtype(config.model)),
+        "kv_cache_dtype": config.cache.kv_cache_dtype,
         "date": time.strftime("%Y-%m-%d"),
         "measured": {"step_ms": measured_ms, "step_ms_all": times, "eager_ops_ms": eager_ms, "ops": ops,
                      "peak_memory_gb": peak_gb, "breakdown_ms": dict(sorted(breakdown.items(), key=lambda kv: -kv[1]))},
@@ -416,7 +417,8 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=4096, help="prefill: prompt length")
     p.add_argument("--batch-per-rank", type=int, default=256, help="decode: sequences a rank runs a step")
     p.add_argument("--context", type=int, default=2000, help="decode: cached tokens per sequence")
-    add_config_flags(p, {"ep_size", "quantization", "enable_two_batch_overlap", "device", "page_size"},
+    add_config_flags(p, {"ep_size", "quantization", "enable_two_batch_overlap", "device", "page_size",
+                         "kv_cache_dtype"},
                      defaults={"device": default_device()}, required={"ep_size"},
                      helps={"ep_size": "ranks of the EP group this rank is one of"})
     bal = p.add_mutually_exclusive_group()
@@ -464,7 +466,8 @@ def run_rank_benchmark(args: argparse.Namespace) -> int:
     model = model_from(args)
     result = run_rank(model, spec_from(args, model), network_model(args.network), device=args.device,
                       quantization=args.quantization, repeats=args.repeats, gpus_per_node=args.gpus_per_node,
-                      gpu_hour_usd=args.gpu_hour_usd, page_size=args.page_size, seed=args.seed, profile=args.profile)
+                      gpu_hour_usd=args.gpu_hour_usd, page_size=args.page_size, seed=args.seed, profile=args.profile,
+                      kv_cache_dtype=args.kv_cache_dtype)
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -19,12 +19,14 @@ import contextlib
 import dataclasses
 import json
 import math
+import multiprocessing
 import random
 import statistics
 import sys
 import textwrap
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +89,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, help="write summary and per-request records here")
     p.add_argument("--plot", default=None, help="save latency distributions to this PNG")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="split the requests (and --max-concurrency) over this many client processes: one Python "
+                        "process reads some 10-20k streamed chunks a second, below a decode node's output")
 
 
 @dataclass(frozen=True)
@@ -114,12 +119,16 @@ class ServingBenchConfig:
     output_json: str | None
     plot: str | None
     disable_tqdm: bool
+    client_processes: int = 1
 
     def __post_init__(self) -> None:
         checks = {
             "num_prompts must be >= 1": self.num_prompts >= 1,
             "request_rate must be > 0": self.request_rate > 0,
             "max_concurrency must be >= 1": self.max_concurrency is None or self.max_concurrency >= 1,
+            "client_processes must be >= 1": self.client_processes >= 1,
+            "max_concurrency must be >= client_processes":
+                self.max_concurrency is None or self.max_concurrency >= self.client_processes,
             f"dataset must be one of {DATASETS}": self.dataset in DATASETS,
             "random_input_len and random_output_len must be >= 1":
                 min(self.random_input_len, self.random_output_len) >= 1,
@@ -394,19 +403,18 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
 # ---------------------------------------------------------------- the run
 
 
-async def _run_requests(client: httpx.AsyncClient, cfg: ServingBenchConfig, model: str,
-                        requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
-    """Send ``requests`` at their arrival times; returns results (in request order) and the duration."""
-    offsets = arrival_offsets(len(requests), cfg.request_rate, random.Random(f"arrivals-{cfg.seed}"))
-    limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else contextlib.nullcontext()
-    url = f"{cfg.base_url}/v1/completions"
-    pbar = tqdm(total=len(requests), disable=cfg.disable_tqdm, desc="requests")
-    epoch = time.perf_counter()
+async def _run_requests(client: httpx.AsyncClient, url: str, model: str, requests: list[BenchRequest],
+                        offsets: list[float], epoch: float, concurrency: int | None,
+                        pbar: tqdm | None) -> list[RequestResult]:
+    """Send ``requests`` at ``epoch + offsets`` (``time.perf_counter``), at most ``concurrency`` in
+    flight; results in request order."""
+    limit = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
 
     async def one(req: BenchRequest) -> RequestResult:
         async with limit:  # an arrival that finds the limit reached waits here, untimed
             result = await send_request(client, url, model, req, epoch)
-        pbar.update(1)
+        if pbar is not None:
+            pbar.update(1)
         return result
 
     tasks = []
@@ -414,25 +422,65 @@ async def _run_requests(client: httpx.AsyncClient, cfg: ServingBenchConfig, mode
         # Sleep to an absolute time so that loop overhead does not accumulate into the schedule.
         await asyncio.sleep(max(0.0, epoch + offset - time.perf_counter()))
         tasks.append(asyncio.create_task(one(req)))
-    results = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - epoch
-    pbar.close()
-    return list(results), duration
+    return list(await asyncio.gather(*tasks))
+
+
+def _http_client(cfg: ServingBenchConfig, in_flight: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    # Enough connections for every request that may be in flight, so none queues inside httpx.
+    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
+    return httpx.AsyncClient(headers=headers, limits=limits, timeout=_TIMEOUT)
+
+
+def _client_share(cfg: ServingBenchConfig, model: str, requests: list[BenchRequest], offsets: list[float],
+                  epoch: float, concurrency: int | None) -> tuple[list[RequestResult], float]:
+    """One client process's part of the run (``--client-processes``): its results and when it ended."""
+
+    async def run() -> list[RequestResult]:
+        async with _http_client(cfg, concurrency or len(requests)) as client:
+            return await _run_requests(client, f"{cfg.base_url}/v1/completions", model, requests, offsets, epoch,
+                                       concurrency, None)
+
+    results = asyncio.run(run())
+    return results, time.perf_counter()
+
+
+async def _run_all(client: httpx.AsyncClient, cfg: ServingBenchConfig, model: str,
+                   requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+    """Send ``requests`` at their arrival times, from this process or from ``cfg.client_processes``
+    (request ``i`` from process ``i % P``, each with its share of ``--max-concurrency``, all timed
+    from one epoch: ``perf_counter`` is the system's monotonic clock on Linux, the same in every
+    process); results in request order and the duration."""
+    offsets = arrival_offsets(len(requests), cfg.request_rate, random.Random(f"arrivals-{cfg.seed}"))
+    n = cfg.client_processes
+    if n == 1:
+        with tqdm(total=len(requests), disable=cfg.disable_tqdm, desc="requests") as pbar:
+            epoch = time.perf_counter()
+            results = await _run_requests(client, f"{cfg.base_url}/v1/completions", model, requests, offsets,
+                                          epoch, cfg.max_concurrency, pbar)
+            return results, time.perf_counter() - epoch
+    shares = [cfg.max_concurrency // n + (i < cfg.max_concurrency % n) if cfg.max_concurrency else None
+              for i in range(n)]
+    epoch = time.perf_counter() + 3.0  # the processes start (import httpx …) before it
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = await asyncio.gather(*(loop.run_in_executor(pool, _client_share, cfg, model, requests[i::n],
+                                                            offsets[i::n], epoch, shares[i]) for i in range(n)))
+    results: list[RequestResult] = [None] * len(requests)  # type: ignore[list-item]
+    for i, (part, _) in enumerate(parts):
+        results[i::n] = part
+    return results, max(end for _, end in parts) - epoch
 
 
 async def _benchmark(cfg: ServingBenchConfig) -> tuple[str, list[RequestResult], float, float | None]:
     """Resolve the model and vocabulary, build the prompts, run them; returns (model, results,
     duration, the server's mean speculative accept length over the run or None)."""
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    # Enough connections for every request that may be in flight, so none queues inside httpx.
-    in_flight = cfg.max_concurrency or cfg.num_requests
-    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=_TIMEOUT) as client:
+    async with _http_client(cfg, cfg.max_concurrency or cfg.num_requests) as client:
         model = cfg.model or await fetch_model_id(client, cfg.base_url)
         vocab_size = await fetch_vocab_size(client, cfg.base_url)
         requests = sample_requests(cfg, vocab_size, random.Random(cfg.seed))
         before = await fetch_spec_counts(client, cfg.base_url)
-        results, duration = await _run_requests(client, cfg, model, requests)
+        results, duration = await _run_all(client, cfg, model, requests)
         spec = accept_length(before, await fetch_spec_counts(client, cfg.base_url)) if before is not None else None
     return model, results, duration, spec
 

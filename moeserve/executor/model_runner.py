@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
-from moeserve.cache import MLAKVPool, PagePool, kv_capacity_tokens
+from moeserve.cache import KVLayout, MLAKVPool, PagePool, kv_capacity_tokens
 from moeserve.config import EngineConfig
 from moeserve.core import DPInfo, ForwardBatch, ForwardMode, ScheduleBatch, default_dtype
 from moeserve.distributed.comm import scatter_sizes
@@ -38,14 +41,19 @@ class ModelRunner:
         self.groups = groups or single_groups()
         self.device = torch.device(config.load.device)
         self.dtype = config.load.torch_dtype(config.model)
+        started = time.perf_counter()
         self.model = self._init_model()
         self._plain_ops = self.model.operations()
         self.tbo_min_tokens = config.runner.tbo_min_tokens  # alone, a step this large overlaps
         self.eplb = self._init_eplb()
+        # seconds by start-up phase: the model built and loaded (with EPLB's copy of the experts), graphs captured
+        self.startup_s = {"weights": self._seconds_since(started)}
         self._init_kv_cache()
         self.verify_graphs: VerifyGraphs | None = None  # speculative decoding's, with its MTP graphs
         self.mtp_graphs: dict[int, MtpGraphs] = {}  # by tokens a sequence
+        started = time.perf_counter()
         self.graph_runner = self._init_cuda_graphs()
+        self.startup_s["graphs"] = self._seconds_since(started)
         if self.eplb is not None and config.eplb.enable_eplb:  # online rebalancing plans from what it
             self.eplb.recorder.start()  # records: from the first pass on (not the graphs' warm-up)
 
@@ -61,6 +69,12 @@ class ModelRunner:
                 raise ValueError("model_path is required unless load_format is 'dummy'")
             load_checkpoint(model, load.model_path, self.config.model)
         return model.eval()
+
+    def _seconds_since(self, started: float) -> float:
+        """Seconds from ``started`` to when the device has done what was queued (loads are asynchronous)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
 
     def _moe_options(self) -> MoEOptions:
         par = self.config.parallel
@@ -105,6 +119,25 @@ class ModelRunner:
         return EplbManager(eplb, self.moe_options.location, recorder, stacks, fetch, self.groups.world,
                            self.groups.ep.rank, layers, max(cfg.n_group, 1), self.config.parallel.nnodes, meta)
 
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Forward passes outside serving's record (the start-up warm-up): EPLB's pass clock does
+        not move (no rebalance or metric falls due) and the expert recorder counts nothing. A
+        recorder that was recording starts again after, as at start-up: from nothing recorded."""
+        eplb, recorder = self.eplb, self.moe_options.recorder
+        if recorder is None:
+            yield
+            return
+        recording = recorder.recording
+        recorder.stop()
+        self.eplb = None
+        try:
+            yield
+        finally:
+            self.eplb = eplb
+            if recording:
+                recorder.start()
+
     @property
     def fp8_weights(self) -> bool:
         """FP8 when asked, or when the checkpoint is FP8 and the device has FP8 matmuls."""
@@ -117,17 +150,16 @@ class ModelRunner:
         page_size = cache_cfg.page_size
         # the MTP module's decoder layer, when it drafts, has a cache layer of its own after the model's
         layers = model_cfg.num_layers + (1 if self.config.spec.enabled else 0)
-        tokens = cache_cfg.max_total_tokens or kv_capacity_tokens(
-            self._kv_budget_bytes(), layers, model_cfg.cache_row_dim, self.dtype)
+        layout = KVLayout.for_model(model_cfg, cache_cfg.kv_cache_dtype, self.dtype)
+        tokens = cache_cfg.max_total_tokens or kv_capacity_tokens(self._kv_budget_bytes(), layers, layout)
         # pages of ``page_size`` slots, + the padding page 0; the scheduler's ``PagePool`` hands them out
         self.num_pages, self.page_size = tokens // page_size + 1, page_size
         if self.num_pages < 2:
             raise ValueError(f"the KV cache needs at least 2 pages, got {self.num_pages}")
-        self.kv_pool = MLAKVPool(layers, self.num_pages * page_size, model_cfg.kv_lora_rank,
-                                 model_cfg.qk_rope_head_dim, self.dtype, self.device,
-                                 model_cfg.cache_row_dim - model_cfg.kv_cache_dim)
+        self.kv_pool = MLAKVPool(layout, layers, self.num_pages * page_size, self.device)
         self.max_total_tokens = (self.num_pages - 1) * page_size
-        logger.info("KV cache: %d tokens in %d pages of %d", self.max_total_tokens, self.num_pages - 1, page_size)
+        logger.info("KV cache: %d tokens in %d pages of %d, %s (%d bytes a token a layer)", self.max_total_tokens,
+                    self.num_pages - 1, page_size, layout.name, layout.row_bytes)
 
     def new_page_pool(self) -> PagePool:
         """An allocator over this runner's KV pages: the scheduler's, or a benchmark's that drives

@@ -98,6 +98,26 @@ def per_token_group_dequant_fp8(
     return groups.flatten(-2)[..., :k].to(dtype)
 
 
+def quantize_kv_rows(latent: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's cached keys in FP8 (the KV cache's ``fp8_e4m3`` form): ``latent [T, L]`` with one
+    scale per ``FP8_BLOCK``-wide tile, ``rope [T, R]`` with one scale a token -> ``(values [T, L + R]
+    float8_e4m3fn, scales [T, ceil(L/128) + 1] float32)``, the rope key's scale last. Torch on
+    every device, so every path that writes a token (prefill, decode, a transfer's source) writes
+    the same bytes."""
+    latent_q, latent_s = per_token_group_quant_fp8_ref(latent, FP8_BLOCK)
+    rope_q, rope_s = per_token_group_quant_fp8_ref(rope, rope.shape[-1])
+    return torch.cat([latent_q, rope_q], -1), torch.cat([latent_s, rope_s], -1)
+
+
+def dequantize_kv_rows(values: torch.Tensor, scales: torch.Tensor, latent_dim: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``quantize_kv_rows``: ``values [S, L + R]``, ``scales [S, ceil(L/128) + 1]`` ->
+    ``[S, L + R]`` in ``dtype`` (``value.float() * scale``, then cast)."""
+    latent = per_token_group_dequant_fp8(values[:, :latent_dim], scales[:, :-1], FP8_BLOCK, dtype)
+    rope = (values[:, latent_dim:].float() * scales[:, -1:]).to(dtype)
+    return torch.cat([latent, rope], -1)
+
+
 def _cast_fp8(x: torch.Tensor) -> torch.Tensor:
     # Rounding can push amax/scale a hair past 448, and some backends turn overflow into NaN.
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

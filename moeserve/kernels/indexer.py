@@ -30,11 +30,14 @@ def select_topk(
     pos_of_row: torch.Tensor,
     topk: int,
     width: int,
+    index_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The cache slots each query row attends to.
 
     ``q [T, H, D]`` index queries (rope applied); ``weights [T, H]`` fp32 head weights with every
-    scale folded in; ``index_cache [slots, D]`` the index keys; sequence ``b``'s context is
+    scale folded in; ``index_cache [slots, D]`` the index keys (FP8: float8_e4m3fn with
+    ``index_scales [slots]`` float32, one a key, which factors out of the key's dot products
+    since it is positive: ``ReLU(q · k * s) = s · ReLU(q · k)``); sequence ``b``'s context is
     ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` in position order; row ``t`` belongs to sequence
     ``seq_of_row[t]`` at position ``pos_of_row[t]`` (int64 ``[T]`` each, on q's device) and sees
     positions ``0 .. pos_of_row[t]``; ``width`` bounds every row's context (the longest sequence,
@@ -45,13 +48,14 @@ def select_topk(
         from moeserve.kernels.triton import indexer as triton_indexer
 
         return triton_indexer.select_topk(q, weights, index_cache, kv_indptr, kv_indices, seq_of_row, pos_of_row,
-                                          topk, width)
+                                          topk, width, index_scales)
     return select_topk_ref(q, weights, index_cache, kv_indptr, kv_indices, seq_of_row.tolist(), pos_of_row.tolist(),
-                           topk)
+                           topk, index_scales)
 
 
 def select_topk_ref(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                    kv_indices: torch.Tensor, seq_of_row: list[int], pos_of_row: list[int], topk: int) -> torch.Tensor:
+                    kv_indices: torch.Tensor, seq_of_row: list[int], pos_of_row: list[int], topk: int,
+                    index_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Torch version of ``select_topk``: the rows of one sequence a chunk at a time."""
     n_rows, n_heads = q.shape[:2]
     out = torch.full((n_rows, topk), -1, dtype=torch.int64, device=q.device)
@@ -65,10 +69,11 @@ def select_topk_ref(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.T
     for seq, rows in rows_of_seq.items():
         context = kv_indices[bounds[seq]:bounds[seq + 1]]
         keys = index_cache[context].float()  # [S, D]
+        key_scales = None if index_scales is None else index_scales[context]  # [S]
         chunk = max(SCORE_CHUNK // (n_heads * keys.shape[0]), 1)
         for start in range(0, len(rows), chunk):
             part = torch.tensor(rows[start:start + chunk], device=q.device)
-            scores = index_scores(q[part], weights[part], keys)  # [t, S]
+            scores = index_scores(q[part], weights[part], keys, key_scales)  # [t, S]
             pos = torch.tensor([pos_of_row[r] for r in rows[start:start + chunk]], device=q.device)
             hidden = torch.arange(keys.shape[0], device=q.device)[None, :] > pos[:, None]
             picked = scores.masked_fill(hidden, float("-inf")).topk(topk, dim=-1).indices  # every row sees > topk
@@ -76,7 +81,10 @@ def select_topk_ref(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.T
     return out
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``q [t, H, D]``, ``weights [t, H]``, ``keys [S, D]`` -> fp32 ``[t, S]`` index scores."""
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                 key_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``q [t, H, D]``, ``weights [t, H]``, ``keys [S, D]`` (FP8 with ``key_scales [S]``) -> fp32
+    ``[t, S]`` index scores."""
     dots = torch.einsum("thd,sd->ths", q.float(), keys.float()).relu_()  # [t, H, S]
-    return torch.einsum("th,ths->ts", weights.float(), dots)
+    scores = torch.einsum("th,ths->ts", weights.float(), dots)
+    return scores if key_scales is None else scores * key_scales.float()

@@ -8,6 +8,11 @@
   per sequence, ``mla_verify`` (speculative decoding's verification) several: each sequence's
   last tokens, causal among themselves.
 
+The absorbed forms read the cache as it is stored: in the compute dtype, or in FP8 (``kv_cache``
+float8_e4m3fn) with ``kv_scales [slots, ceil(L/128) + 1]`` float32, each row's scale per 128-wide
+tile of its latent, then its rope key's (``kernels.fp8.quantize_kv_rows``); a key is then
+``value.float() * scale`` in the query's dtype.
+
 ``extend_attention``, ``mla_decode`` and ``mla_verify`` hand CUDA tensors to their Triton twins in
 ``kernels/triton/mla.py``; the ``*_ref`` functions are the torch versions.
 """
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moeserve.kernels.backend import use_triton
+from moeserve.kernels.fp8 import dequantize_kv_rows
 
 
 def extend_attention(
@@ -121,6 +127,7 @@ def mla_decode(
     kv_indices: torch.Tensor,
     scale: float,
     *,
+    kv_scales: torch.Tensor | None = None,
     page_size: int | None = None,
     launch_batch: int | None = None,
 ) -> torch.Tensor:
@@ -133,10 +140,11 @@ def mla_decode(
     on pages of that size (token ``t`` at ``page * page_size + t % page_size``); the GPU kernel
     then reads blocks of consecutive rows whole instead of row by row. ``launch_batch`` sizes the
     GPU kernel's launch (its split of each context) as for a batch of that many sequences, so a
-    part of a batch gets bitwise the rows the whole would.
+    part of a batch gets bitwise the rows the whole would. ``kv_scales``: an FP8 cache's (module
+    docstring).
     """
-    return mla_verify(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, 1, page_size=page_size,
-                      launch_batch=launch_batch)
+    return mla_verify(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, 1, kv_scales=kv_scales,
+                      page_size=page_size, launch_batch=launch_batch)
 
 
 def mla_verify(
@@ -148,6 +156,7 @@ def mla_verify(
     scale: float,
     q_per_seq: int,
     *,
+    kv_scales: torch.Tensor | None = None,
     page_size: int | None = None,
     launch_batch: int | None = None,
 ) -> torch.Tensor:
@@ -159,16 +168,16 @@ def mla_verify(
     The queries are the context's last Q tokens, causal: query ``j`` of a sequence of ``n``
     tokens attends its first ``n - Q + j + 1`` (none, giving zeros, where ``n`` < Q breaks the
     contract). Returns ``[B*Q, H, L]``. With ``Q = 1`` this is ``mla_decode``, bitwise.
-    ``page_size`` as in ``mla_decode``; ``launch_batch`` counts sequences, as there: the GPU
-    kernel's split of each context is sized for ``launch_batch * Q`` query rows, the programs
-    such a launch has.
+    ``kv_scales`` and ``page_size`` as in ``mla_decode``; ``launch_batch`` counts sequences, as
+    there: the GPU kernel's split of each context is sized for ``launch_batch * Q`` query rows,
+    the programs such a launch has.
     """
     if use_triton(q_latent):
         from moeserve.kernels.triton import mla as triton_mla
 
         return triton_mla.mla_verify(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, q_per_seq,
-                                     page_size=page_size, launch_batch=launch_batch)
-    return mla_verify_ref(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, q_per_seq)
+                                     kv_scales=kv_scales, page_size=page_size, launch_batch=launch_batch)
+    return mla_verify_ref(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, q_per_seq, kv_scales)
 
 
 def mla_decode_ref(
@@ -178,9 +187,10 @@ def mla_decode_ref(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch version of ``mla_decode``: one sequence at a time, softmax in fp32."""
-    return mla_verify_ref(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, 1)
+    return mla_verify_ref(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, 1, kv_scales)
 
 
 def mla_verify_ref(
@@ -191,9 +201,10 @@ def mla_verify_ref(
     kv_indices: torch.Tensor,
     scale: float,
     q_per_seq: int,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch version of ``mla_verify``: one query row at a time over its visible prefix, softmax
-    in fp32."""
+    """Torch version of ``mla_verify``: one query row at a time over its visible prefix (an FP8
+    cache's rows dequantized to the query's dtype), softmax in fp32."""
     if q_per_seq < 1 or q_latent.shape[0] != (kv_indptr.shape[0] - 1) * q_per_seq:
         raise ValueError(f"{q_latent.shape[0]} query rows for {kv_indptr.shape[0] - 1} sequences of "
                          f"{q_per_seq} queries")
@@ -203,7 +214,10 @@ def mla_verify_ref(
     for row in range(q_latent.shape[0]):
         b, j = divmod(row, q_per_seq)
         end = max(bounds[b + 1] - (q_per_seq - 1 - j), bounds[b])  # the later queries' tokens are hidden
-        kv = kv_cache[kv_indices[bounds[b]:end]]  # [s, L + R]
+        slots = kv_indices[bounds[b]:end]
+        kv = kv_cache[slots]  # [s, L + R]
+        if kv_scales is not None:
+            kv = dequantize_kv_rows(kv, kv_scales[slots], latent_dim, q_latent.dtype)
         latent, rope = kv[:, :latent_dim], kv[:, latent_dim:]
         scores = (q_latent[row] @ latent.t() + q_rope[row] @ rope.t()) * scale  # [H, s]
         probs = scores.float().softmax(-1).to(latent.dtype)
@@ -218,12 +232,13 @@ def sparse_mla(
     selected: torch.Tensor,
     scale: float,
     *,
+    kv_scales: torch.Tensor | None = None,
     launch_rows: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA of each query row over its own set of cache slots (DeepSeek-V3.2's sparse
-    attention): ``q_latent [T, H, L]``, ``q_rope [T, H, R]``, ``kv_cache [slots, L + R]`` as in
-    ``mla_decode``, ``selected [T, K]`` the slots of row ``t``, the kept ones first and ``-1``
-    after them. Returns ``[T, H, L]``; each row is ``mla_decode`` of a sequence made of its
+    attention): ``q_latent [T, H, L]``, ``q_rope [T, H, R]``, ``kv_cache [slots, L + R]`` (FP8 with
+    ``kv_scales``) as in ``mla_decode``, ``selected [T, K]`` the slots of row ``t``, the kept ones
+    first and ``-1`` after them. Returns ``[T, H, L]``; each row is ``mla_decode`` of a sequence made of its
     slots, and the GPU runs the same kernel, reading each row's slots up to its count (no host
     sync). ``launch_rows`` sizes the GPU launch as for a batch of that many rows (``launch_batch``
     of ``mla_decode``)."""
@@ -232,9 +247,10 @@ def sparse_mla(
 
         step = 1 << 15  # query rows per launch (a grid axis holds 65,535)
         parts = [triton_mla.sparse_mla(q_latent[i:i + step], q_rope[i:i + step], kv_cache, selected[i:i + step],
-                                       scale, launch_rows=launch_rows) for i in range(0, q_latent.shape[0], step)]
+                                       scale, kv_scales=kv_scales, launch_rows=launch_rows)
+                 for i in range(0, q_latent.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     valid = selected >= 0
     indptr = torch.zeros(selected.shape[0] + 1, dtype=torch.int64, device=selected.device)
     torch.cumsum(valid.sum(dim=1), dim=0, out=indptr[1:])
-    return mla_decode(q_latent, q_rope, kv_cache, indptr, selected[valid], scale)
+    return mla_decode(q_latent, q_rope, kv_cache, indptr, selected[valid], scale, kv_scales=kv_scales)

@@ -69,8 +69,9 @@ class Indexer(nn.Module):
         weights = F.linear(hidden.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, H]
         seq_of_row = torch.repeat_interleave(torch.arange(len(batch.extend_lens_cpu), device=hidden.device),
                                              batch.extend_lens, output_size=hidden.shape[0])
-        return select_topk(q, weights, batch.kv_pool.index_keys(self.layer_id), batch.kv_indptr, batch.kv_indices,
-                           seq_of_row, batch.positions, self.topk, width)
+        pool = batch.kv_pool
+        return select_topk(q, weights, pool.index_keys(self.layer_id), batch.kv_indptr, batch.kv_indices,
+                           seq_of_row, batch.positions, self.topk, width, pool.index_scales(self.layer_id))
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rope on the first ``rope_dim`` dims of ``x [T, H, D]``, half paired with half."""
@@ -99,8 +100,9 @@ class SparseMLA(MLA):
     def core(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
         if inputs.selected is None:
             return super().core(inputs, batch)
-        cache = batch.kv_pool.layer(self.layer_id)
+        pool = batch.kv_pool
         launch_rows = None if batch.launch_batch_size is None else batch.launch_batch_size * batch.tokens_per_seq
-        out_latent = sparse_mla(self._absorb(inputs), inputs.q_rope, cache, inputs.selected, self.scale,
+        out_latent = sparse_mla(self._absorb(inputs), inputs.q_rope, pool.layer(self.layer_id), inputs.selected,
+                                self.scale, kv_scales=pool.layer_scales(self.layer_id),
                                 launch_rows=launch_rows if batch.mode is not ForwardMode.EXTEND else None)
         return self._unabsorb(out_latent).flatten(1)

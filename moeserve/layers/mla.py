@@ -109,18 +109,21 @@ class MLA(nn.Module):
 
     def _absorbed(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
         q_latent = self._absorb(inputs)  # [T, H, L]
-        cache = batch.kv_pool.layer(self.layer_id)
+        pool = batch.kv_pool
+        cache, scales = pool.layer(self.layer_id), pool.layer_scales(self.layer_id)  # scales: FP8 only
         if batch.mode is ForwardMode.VERIFY:
             out_latent = mla_verify(q_latent, inputs.q_rope, cache, batch.kv_indptr, batch.kv_indices, self.scale,
-                                    batch.tokens_per_seq, page_size=batch.page_size,
+                                    batch.tokens_per_seq, kv_scales=scales, page_size=batch.page_size,
                                     launch_batch=batch.launch_batch_size)
         else:
             out_latent = mla_decode(q_latent, inputs.q_rope, cache, batch.kv_indptr, batch.kv_indices, self.scale,
-                                    page_size=batch.page_size, launch_batch=batch.launch_batch_size)
+                                    kv_scales=scales, page_size=batch.page_size, launch_batch=batch.launch_batch_size)
         return self._unabsorb(out_latent)  # [T, H, v]
 
     def _expanded(self, inputs: MLAInputs, batch: ForwardBatch) -> torch.Tensor:
-        cached = batch.kv_pool.layer(self.layer_id)[batch.kv_indices]  # [S, L + R]
+        # the new tokens too are read back from the cache: an FP8 cache's rounding then reaches them
+        # exactly as it reaches a prefix from the prefix cache or a PD transfer
+        cached = batch.kv_pool.read(self.layer_id, batch.kv_indices, inputs.q.dtype)  # [S, L + R]
         latent, k_rope = cached.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(latent).view(latent.shape[0], self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)

@@ -175,11 +175,13 @@ def terminate(ctx: zmq.Context, timeout: float = TERM_TIMEOUT_S) -> bool:
     return not done.is_alive()
 
 
-def connect(ctx: zmq.Context, kind: int, addr: str, keys: ChannelKeys) -> zmq.Socket:
-    """A CURVE client socket that trusts only the launch's server key."""
+def connect(ctx: zmq.Context, kind: int, addr: str | Iterable[str], keys: ChannelKeys) -> zmq.Socket:
+    """A CURVE client socket that trusts only the launch's server key, connected to ``addr`` (or
+    to each of several addresses: a PULL then fair-queues what they all send)."""
     sock = ctx.socket(kind)
     sock.curve_serverkey = keys.server_public
     sock.curve_publickey, sock.curve_secretkey = keys.client_public, keys.client_secret
     sock.maxmsgsize = MAX_MESSAGE_BYTES
-    sock.connect(addr)
+    for one in [addr] if isinstance(addr, str) else addr:
+        sock.connect(one)
     return sock

@@ -24,11 +24,18 @@ class ExpertControls:
         self.eplb, self.config, self.reply = eplb, config, reply
         self.flush = flush  # the scheduler's prefix-cache flush: pages freed, ValueError while requests run
         self.pending: list[ExpertControlInput] = []
-        self.seen = 0  # the newest seq received
+        self.seen = 0  # every seq up to this one has been received
+        self._ahead: set[int] = set()  # seqs received past a gap
 
     def add(self, msg: ExpertControlInput) -> None:
+        """Several API workers number their controls from one shared counter, so seqs may arrive
+        out of order: ``seen`` moves only over an unbroken run, or a rank could run a later control
+        before an earlier one it has not received yet."""
         self.pending.append(msg)
-        self.seen = max(self.seen, msg.seq)
+        self._ahead.add(msg.seq)
+        while self.seen + 1 in self._ahead:
+            self.seen += 1
+            self._ahead.discard(self.seen)
 
     def run(self, ready: int) -> None:
         """Run, in order, every pending action up to ``ready`` (the same on every rank)."""

@@ -31,6 +31,7 @@ from moeserve.eplb.manager import EplbManager
 from moeserve.executor.model_runner import ModelRunner
 from moeserve.executor.overlap import split_batch
 from moeserve.executor.sampler import SampleOutput
+from moeserve.executor.warmup import warm_up
 from moeserve.models.tokenizer import load_tokenizer
 from moeserve.scheduler.channel import RANK_LINGER_MS, RANK_SEND_TIMEOUT_MS, connect
 from moeserve.scheduler.controls import ExpertControls
@@ -163,9 +164,12 @@ class EngineLoop:
         self.controls.flush = self.scheduler.flush_prefix_cache
         self.codec = Codec(EngineInput)
         self._peer_codec = Codec(list[EngineInput])  # messages the leader shares with its TP peers
+        self.outputs: list[zmq.Socket] = []  # one PUSH per API worker (the leader's)
         if self.is_leader and addrs is not None:
             self._init_sockets(addrs, groups.dp_rank)
         self._sent: dict[str, int] = {}  # rid -> output tokens already sent (the leader sends, so only it counts)
+        self._owner: dict[str, int] = {}  # rid -> the API worker that sent it (the leader's, as ``_sent``)
+        self._control_owner: dict[int, int] = {}  # control seq -> the API worker that sent it
         self._steps, self._last_stats, self._busy = 0, 0.0, False
         self._parent = os.getppid()
 
@@ -180,11 +184,13 @@ class EngineLoop:
 
     def _init_sockets(self, addrs: RankAddresses, dp_rank: int) -> None:
         ctx = zmq.Context.instance()
-        self.inputs = connect(ctx, zmq.PULL, addrs.inputs[dp_rank], addrs.keys)
-        self.outputs = connect(ctx, zmq.PUSH, addrs.output, addrs.keys)
-        self.outputs.sndtimeo = RANK_SEND_TIMEOUT_MS  # ``_send`` retries while the parent lives
-        for sock in (self.inputs, self.outputs):
+        # one PULL fair-queues the requests of every API worker; one PUSH per worker takes its tokens back
+        self.inputs = connect(ctx, zmq.PULL, addrs.inputs_of(dp_rank), addrs.keys)
+        self.outputs = [connect(ctx, zmq.PUSH, out, addrs.keys) for out in addrs.outputs]
+        for sock in (self.inputs, *self.outputs):
             sock.linger = RANK_LINGER_MS  # no context end waits forever on a message for a peer that is gone
+        for sock in self.outputs:
+            sock.sndtimeo = RANK_SEND_TIMEOUT_MS  # ``_send`` retries while the parent lives
         self.poller = zmq.Poller()
         self.poller.register(self.inputs, zmq.POLLIN)
         self.stats_dropped = 0  # stats not sent because the API process was not reading
@@ -247,6 +253,7 @@ class EngineLoop:
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, ExpertControlInput):
+            self._control_owner[msg.seq] = msg.reply_to
             self.controls.add(msg)
             return
         if isinstance(msg, AbortInput):
@@ -258,31 +265,37 @@ class EngineLoop:
         try:
             self.scheduler.add_request(msg.rid, msg.prompt_ids, msg.params, msg.bootstrap)
         except ValueError as exc:
-            self._refuse(msg.rid, str(exc), 400)
+            self._refuse(msg, str(exc), 400)
             return
         except Exception as exc:  # a per-request failure must not end the rank
             logger.exception("request %s could not be queued", msg.rid)
-            self._refuse(msg.rid, f"{type(exc).__name__}: {exc}", 500)
+            self._refuse(msg, f"{type(exc).__name__}: {exc}", 500)
             return
         if self.is_leader:
             self._sent[msg.rid] = 0
+            self._owner[msg.rid] = self._worker(msg.reply_to)
 
     def _reply_control(self, out: ControlOutput) -> None:
         if self.groups.world.rank == 0:  # the leader of DP group 0 answers for all
-            self._send(out)
+            self._send(out, worker=self._worker(self._control_owner.pop(out.seq, 0)))
 
-    def _refuse(self, rid: str, message: str, status: int) -> None:
+    def _worker(self, reply_to: int) -> int:
+        """An API worker index as sent; one this rank has no socket for is worker 0."""
+        return reply_to if 0 <= reply_to < len(self.outputs) else 0
+
+    def _refuse(self, msg: GenerateInput, message: str, status: int) -> None:
         if self.is_leader:
-            self._send(TokenBatch([TokenOutput(rid, [], finish_reason="error", error=message, error_status=status)]))
+            out = TokenOutput(msg.rid, [], finish_reason="error", error=message, error_status=status)
+            self._send(TokenBatch([out]), worker=self._worker(msg.reply_to))
 
-    def _send(self, msg: object, wait: bool = True) -> bool:
-        """Send to the API process, waiting while it is behind (back-pressure) but not once it is
-        gone: then ``ConnectionAbortedError``, which ends ``run``. Without ``wait``, a message that
-        cannot leave at once is dropped (False)."""
+    def _send(self, msg: object, wait: bool = True, worker: int = 0) -> bool:
+        """Send to API worker ``worker``, waiting while it is behind (back-pressure) but not once
+        the process that started this rank is gone: then ``ConnectionAbortedError``, which ends
+        ``run``. Without ``wait``, a message that cannot leave at once is dropped (False)."""
         data = self.codec.encode(msg)
         while True:
             try:
-                self.outputs.send(data, 0 if wait else zmq.NOBLOCK)
+                self.outputs[worker].send(data, 0 if wait else zmq.NOBLOCK)
                 return True
             except zmq.Again:
                 if not wait:
@@ -291,9 +304,15 @@ class EngineLoop:
                     raise ConnectionAbortedError("the process that started this rank is gone") from None
 
     def _send_outputs(self, reqs: list[Req]) -> None:
-        batch = [self._delta(req) for req in reqs]
-        if batch:
-            self._send(TokenBatch(batch))
+        """One message per API worker per step, with the new tokens of all its requests."""
+        per_worker: dict[int, list[TokenOutput]] = {}
+        for req in reqs:
+            worker = self._owner.get(req.rid, 0)
+            per_worker.setdefault(worker, []).append(self._delta(req))
+            if req.finished:
+                self._owner.pop(req.rid, None)
+        for worker, batch in per_worker.items():
+            self._send(TokenBatch(batch), worker=worker)
 
     def _delta(self, req: Req) -> TokenOutput:
         sent = self._sent.get(req.rid, 0)
@@ -338,8 +357,9 @@ class EngineLoop:
             stats.transfers, stats.transfer_bytes = dict(transfers.transfers), transfers.bytes
             stats.transfer_seconds, stats.transfer_writes = transfers.seconds, transfers.writes
             stats.prefill_peers_lost = transfers.peers_lost
-        if not self._send(stats, wait=False):  # the latest state, resent soon: dropped rather than waited for
-            self.stats_dropped += 1
+        for worker in range(len(self.outputs)):  # each API worker reports the engine's whole state
+            if not self._send(stats, wait=False, worker=worker):  # resent soon: dropped rather than waited for
+                self.stats_dropped += 1
 
 
 def run_rank(config: EngineConfig, rank: int, addrs: RankAddresses, ready: Connection) -> None:
@@ -347,13 +367,15 @@ def run_rank(config: EngineConfig, rank: int, addrs: RankAddresses, ready: Conne
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     # Ctrl-C reaches the whole process group; the launching process decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    use_triton_cache(config.runner)
     try:
         groups = _init_distributed(config, rank, addrs)
         loop = EngineLoop(config, groups, addrs)
+        startup_s = warm_up_rank(loop)
     except Exception:
         ready.send(("error", traceback.format_exc()))
         return
-    ready.send(("ready", {"max_total_tokens": loop.runner.max_total_tokens}))
+    ready.send(("ready", {"max_total_tokens": loop.runner.max_total_tokens, "startup_s": startup_s}))
     ready.close()
     try:
         loop.run()
@@ -367,6 +389,27 @@ def run_rank(config: EngineConfig, rank: int, addrs: RankAddresses, ready: Conne
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def use_triton_cache(runner: RunnerConfig) -> None:
+    """``--triton-cache-dir``: this process's compiled kernels go there (Triton reads
+    ``TRITON_CACHE_DIR`` when it compiles, so before the first kernel is enough)."""
+    if runner.triton_cache_dir is not None:
+        os.environ["TRITON_CACHE_DIR"] = os.path.abspath(runner.triton_cache_dir)
+
+
+def warm_up_rank(loop: EngineLoop) -> dict[str, float]:
+    """Compile the kernels serving can reach (``executor/warmup.py``; not with
+    ``--skip-server-warmup``), every rank together; this rank's start-up seconds by phase (weights,
+    graphs, warm-up), logged."""
+    phases, warmup = dict(loop.runner.startup_s), "skipped (--skip-server-warmup)"
+    if not loop.config.runner.skip_server_warmup:
+        started = time.perf_counter()
+        passes = warm_up(loop.runner, loop.scheduler.config, loop.scheduler.collectives)
+        phases["warmup"] = time.perf_counter() - started
+        warmup = f"{phases['warmup']:.1f} s ({passes} passes)"
+    logger.info("start-up: weights %.1f s, graphs %.1f s, warm-up %s", phases["weights"], phases["graphs"], warmup)
+    return phases
 
 
 def _init_distributed(config: EngineConfig, rank: int, addrs: RankAddresses) -> ParallelGroups:

@@ -19,6 +19,7 @@ class GenerateInput(msgspec.Struct, tag="generate"):
     prompt_ids: list[int]
     params: SamplingParams
     bootstrap: BootstrapInfo | None = None  # the other side of a disaggregated request
+    reply_to: int = 0  # the API worker that sent it: its tokens go back there
 
 
 class AbortInput(msgspec.Struct, tag="abort"):
@@ -38,6 +39,7 @@ class ExpertControlInput(msgspec.Struct, tag="expert_control"):
 
     seq: int
     action: ExpertAction
+    reply_to: int = 0  # the API worker that sent it: rank 0's answer goes back there
 
 
 class ControlOutput(msgspec.Struct, tag="control"):

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 import weakref
+import dataclasses
 from dataclasses import dataclass
 from multiprocessing import forkserver, reduction
 from multiprocessing.connection import Connection
@@ -39,29 +40,64 @@ STOP_GRACE_S = 5.0
 @dataclass(frozen=True)
 class RankAddresses:
     store: str  # torch.distributed's rendezvous: file://PATH on one node, tcp://host:port across nodes
-    output: str  # every leader pushes TokenOutputs here
-    inputs: tuple[str, ...]  # DP group d's leader pulls requests from inputs[d]
+    output: str  # every leader pushes TokenOutputs here (API worker 0's)
+    inputs: tuple[str, ...]  # DP group d's leader pulls requests from inputs[d] (API worker 0's)
     keys: ChannelKeys
     run_dir: str | None = None  # the private directory of a one-node launch
+    # the other API workers' (output, inputs) (``--api-workers``): each binds its own, every leader
+    # connects to all of them and sends each request's tokens to the worker that sent the request
+    more_workers: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @classmethod
-    def derive(cls, par: ParallelConfig) -> RankAddresses:
+    def derive(cls, par: ParallelConfig, api_workers: int = 1) -> RankAddresses:
         """One node: IPC paths in a new private directory, random keys. Several nodes: ports
         ``p+1`` (outputs) and ``p+2+d`` (inputs) next to the rendezvous port ``p`` on its host, and
-        keys derived from the shared secret file.
+        keys derived from the shared secret file; API worker ``w`` > 0 uses the same layout
+        ``w * (1 + DP groups)`` ports further on.
 
         The private directory goes with ``cleanup()``, the object's garbage collection or the
         interpreter's exit, whichever comes first (only here: copies sent to the ranks own nothing)."""
+        dp = par.attn_dp_size
         if par.nnodes == 1:
             run_dir = tempfile.mkdtemp(prefix="moeserve-")  # 0700: only this user can reach it
-            inputs = tuple(f"ipc://{run_dir}/in{d}" for d in range(par.attn_dp_size))
-            addrs = cls(f"file://{run_dir}/store", f"ipc://{run_dir}/out", inputs, ChannelKeys.generate(), run_dir)
+
+            def ends(w: int) -> tuple[str, tuple[str, ...]]:
+                tag = "" if w == 0 else f"w{w}-"
+                return f"ipc://{run_dir}/{tag}out", tuple(f"ipc://{run_dir}/{tag}in{d}" for d in range(dp))
+
+            (output, inputs), *more = [ends(w) for w in range(api_workers)]
+            addrs = cls(f"file://{run_dir}/store", output, inputs, ChannelKeys.generate(), run_dir, tuple(more))
             object.__setattr__(addrs, "_remove", weakref.finalize(addrs, _remove_run_dir, run_dir, os.getpid()))
             return addrs
         host, port = par.dist_init_addr.rsplit(":", 1)
-        base = int(port)
-        inputs = tuple(f"tcp://{host}:{base + 2 + d}" for d in range(par.attn_dp_size))
-        return cls(f"tcp://{host}:{base}", f"tcp://{host}:{base + 1}", inputs, _keys_from_file(par.dist_secret_file))
+
+        def tcp_ends(w: int) -> tuple[str, tuple[str, ...]]:
+            base = int(port) + w * (1 + dp)
+            return f"tcp://{host}:{base + 1}", tuple(f"tcp://{host}:{base + 2 + d}" for d in range(dp))
+
+        (output, inputs), *more = [tcp_ends(w) for w in range(api_workers)]
+        return cls(f"tcp://{host}:{port}", output, inputs, _keys_from_file(par.dist_secret_file), None, tuple(more))
+
+    @property
+    def num_workers(self) -> int:
+        return 1 + len(self.more_workers)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """Every API worker's output address, worker 0 first."""
+        return (self.output, *(out for out, _ in self.more_workers))
+
+    def inputs_of(self, dp_rank: int) -> tuple[str, ...]:
+        """Every API worker's input address for DP group ``dp_rank``."""
+        return (self.inputs[dp_rank], *(ins[dp_rank] for _, ins in self.more_workers))
+
+    def worker(self, w: int) -> RankAddresses:
+        """The addresses API worker ``w`` binds, as ``output`` and ``inputs``."""
+        if w == 0:
+            return self
+        output, inputs = self.more_workers[w - 1]
+        view = dataclasses.replace(self, output=output, inputs=inputs, more_workers=())
+        return view
 
     def cleanup(self) -> None:
         remove = self.__dict__.get("_remove")
@@ -127,13 +163,13 @@ def _start_rank(env: dict[str, str], stdio: None, *args: object) -> None:
     streams are attached when ``stdio`` is unpickled), then ``run_rank``."""
     os.environ.clear()
     os.environ.update(env)
-    _name_process(f"moeserve-rank{args[1]}")
+    name_process(f"moeserve-rank{args[1]}")
     from moeserve.scheduler.event_loop import run_rank
 
     run_rank(*args)
 
 
-def _name_process(name: str) -> None:
+def name_process(name: str) -> None:
     """``name`` as the process's name in ``ps``, ``top`` and ``/proc/PID/comm`` (Linux; 15 bytes): a
     forked rank's command line is its forkserver's."""
     try:

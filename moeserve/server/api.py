@@ -14,13 +14,13 @@ import dataclasses
 import functools
 import json
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -69,7 +69,8 @@ class ServerState:
     failure: str | None = None  # why the server stopped serving, when it was not asked to
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
-    responses: OrderedDict = field(default_factory=OrderedDict)  # stored /v1/responses answers, oldest first
+    responses: resp.ResponseStore = field(default_factory=resp.ResponseStore)  # stored /v1/responses answers
+    starting: bool = False  # the engine is loading or warming up: /health answers 503, requests 503 too
 
     async def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -145,6 +146,8 @@ class ServerState:
     def admit(self, places: int) -> Ticket:
         """Queue places for ``places`` engine requests, taken now, before any await: a burst of
         requests cannot pass the limit together."""
+        if self.starting:
+            raise APIError(503, "the server is starting", "server_error", {"Retry-After": "1"})
         if not self.healthy:
             raise APIError(503, "the engine is not running", "server_error")
         if self.server.max_queued_requests is not None:
@@ -161,11 +164,17 @@ class ServerState:
                            {"Retry-After": "1"})
 
 
-def sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+_json = msgspec.json.Encoder()
 
 
-async def stream_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event: ``payload`` as compact UTF-8 JSON (msgspec encodes a chunk several
+    times faster than ``json.dumps``: a stream writes one per token), or a literal like [DONE]."""
+    data = payload.encode() if isinstance(payload, str) else _json.encode(payload)
+    return b"data: " + data + b"\n\n"
+
+
+async def stream_events(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     try:
         async for event in events:
             yield sse(event)
@@ -180,7 +189,7 @@ class GuardedStream(StreamingResponse):
     """A streaming response that always runs ``on_close`` and closes its body, even when the
     client left before the first byte (Starlette then never starts the body iterator)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream")
         self.on_close = on_close
 
@@ -278,12 +287,13 @@ class BodyLimit:
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if state.healthy else 503)
+        return Response(status_code=200 if state.healthy and not state.starting else 503)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        if not state.healthy or state.engine.disagg.enabled:  # a PD server cannot generate alone
-            return Response(status_code=200 if state.healthy else 503)
+        ready = state.healthy and not state.starting
+        if not ready or state.engine.disagg.enabled:  # a PD server cannot generate alone
+            return Response(status_code=200 if ready else 503)
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         try:
             await asyncio.wait_for(oai.collect(state.client.generate([0], params)), timeout=30)

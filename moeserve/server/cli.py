@@ -99,6 +99,13 @@ def cmd_bench_pd(args: argparse.Namespace) -> int:
     return run_pd_benchmark(args)
 
 
+def cmd_bench_frontend(args: argparse.Namespace) -> int:
+    from moeserve.bench.frontend import run_frontend_benchmark
+
+    rows = run_frontend_benchmark(args)
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
 def cmd_bench_dispatch(args: argparse.Namespace) -> int:
     from moeserve.bench.dispatch import run_dispatch_benchmark
 
@@ -158,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     from moeserve.bench.compare_hf import add_compare_hf_args
     from moeserve.bench.dispatch import add_dispatch_args
     from moeserve.bench.one_batch import add_one_batch_args
+    from moeserve.bench.frontend import add_frontend_args
     from moeserve.bench.pd import add_pd_bench_args
     from moeserve.bench.rank import add_deployment_args, add_rank_args
     from moeserve.bench.serving import add_serving_args
@@ -179,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
              cmd_bench_transfer)
     _command(bench, "pd", "a monolithic server and a PD deployment under the same load, side by side",
              add_pd_bench_args, cmd_bench_pd)
+    _command(bench, "frontend", "the API processes alone in front of a scripted engine: streams they carry at a "
+             "step rate", add_frontend_args, cmd_bench_frontend)
     _command(bench, "dispatch", "EP dispatch/combine bandwidth and latency over several GPUs", add_dispatch_args,
              cmd_bench_dispatch)
     _command(bench, "rank", "one rank of a DP-attention + EP deployment emulated on this device, its step projected "

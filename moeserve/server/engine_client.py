@@ -8,7 +8,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -108,10 +108,15 @@ class EngineClient:
 
     Its context and sockets belong to ``channel`` (a ``ServerSide``), which releases them, with
     bounded waits, when it is garbage-collected or the interpreter exits; ``close()`` does it now.
+
+    With several API workers (``--api-workers``) each has its own client: ``worker`` is its index,
+    which the ranks send its requests' tokens back by, and ``next_control`` numbers its controls
+    from the counter all workers share. Its DP choices see only its own requests.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, metrics: Metrics, addrs: RankAddresses,
-                 load_balance_method: str = "round_robin", route_by_room: bool = False) -> None:
+                 load_balance_method: str = "round_robin", route_by_room: bool = False, worker: int = 0,
+                 next_control: Callable[[], int] | None = None) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.ctx = zmq.asyncio.Context()
@@ -122,7 +127,8 @@ class EngineClient:
         self._input_check = Codec(EngineInput)  # what the ranks will accept, checked before sending
         self.load_balance_method = load_balance_method
         self.route_by_room = route_by_room  # a prefill server: the room picks the DP group, as the decode side assumes
-        self._next_dp = 0
+        self.worker = worker
+        self._next_dp = worker % len(self._to_engine)  # the workers' round robins start apart
         self._prefix_router = None  # with one DP group there is nothing to choose, so no tree to keep
         if load_balance_method == "cache_aware" and len(self._to_engine) > 1:
             self._prefix_router = CacheAwareRouter(len(self._to_engine))
@@ -133,7 +139,7 @@ class EngineClient:
         self._reader: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._controls: dict[int, asyncio.Future[ControlOutput]] = {}  # seq -> its answer
-        self._control_seq = itertools.count(1)
+        self._next_control = next_control or itertools.count(1).__next__
 
     def _pick_dp(self, prompt_ids: list[int], bootstrap: BootstrapInfo | None = None) -> int:
         """The DP group for a new request with prompt ``prompt_ids``."""
@@ -176,7 +182,7 @@ class EngineClient:
         rid = uuid.uuid4().hex
         cost = len(prompt_ids) + params.max_tokens
         try:
-            message = self._encode_input(GenerateInput(rid, prompt_ids, params, bootstrap))
+            message = self._encode_input(GenerateInput(rid, prompt_ids, params, bootstrap, self.worker))
             dp = self._pick_dp(prompt_ids, bootstrap)
         except EngineError:
             ticket.done_one()
@@ -225,9 +231,9 @@ class EngineClient:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _send(self, msg: object, dp: int) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            await self._to_engine[dp].send(self.codec.encode(msg))
+    async def _send(self, msg: object, dp: int, flags: int = 0) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # zmq.Again (NOBLOCK, no peer) included
+            await self._to_engine[dp].send(self.codec.encode(msg), flags)
 
     def _to_chunk(self, req: _Request, out: TokenOutput) -> Chunk:
         self._record_timing(req, len(out.new_ids), out.finish_reason)
@@ -289,11 +295,11 @@ class EngineClient:
         """Run ``action`` on every rank (``scheduler.controls``) and wait for rank 0's answer."""
         if self.dead:
             raise EngineError(self.dead, 503)
-        seq = next(self._control_seq)
+        seq = self._next_control()
         answer = self._controls[seq] = asyncio.get_running_loop().create_future()
         try:
             for dp in range(len(self._to_engine)):
-                await self._send(ExpertControlInput(seq, action), dp)
+                await self._send(ExpertControlInput(seq, action, self.worker), dp)
             return await asyncio.wait_for(answer, timeout_s)
         except asyncio.TimeoutError:
             raise EngineError(f"the engine did not answer {action} within {timeout_s:.0f} s", 504) from None
@@ -330,9 +336,9 @@ class EngineClient:
             req.queue.put_nowait(TokenOutput(req.rid, [], finish_reason="error", error=reason, error_status=503))
 
     async def shutdown(self) -> None:
-        if not self.dead:  # a PUSH socket with no peer would wait forever
-            for dp in range(len(self._to_engine)):
-                await self._send(ShutdownInput(), dp)
+        if not self.dead:  # without waiting: a PUSH socket with no peer (ranks another API worker
+            for dp in range(len(self._to_engine)):  # already shut down) would wait forever
+                await self._send(ShutdownInput(), dp, zmq.NOBLOCK)
         if self._reader is not None:
             self._reader.cancel()
 

@@ -66,12 +66,14 @@ class SignalledServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """An HTTP server's socket, bound before anything else starts: a taken port stops the launch at
-    once, and port 0 gets a free port that no other process can be handed meanwhile."""
+    once, and port 0 gets a free port that no other process can be handed meanwhile. With
+    ``reuse_port`` other sockets of this user may bind the same port (``SO_REUSEPORT``: API
+    workers, among which the kernel spreads the connections)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        return socket.create_server((host, port), family=family)
+        return socket.create_server((host, port), family=family, reuse_port=reuse_port)
     except OSError as exc:
         raise RuntimeError(f"cannot listen on {host}:{port} ({exc}); choose another --port") from exc
 

@@ -265,6 +265,11 @@ async def run_all(state: ServerState, jobs: list[Job], body: Any = None) -> list
 
 async def merged(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[Job, Chunk]]:
     """Chunks of all jobs as they arrive, interleaved."""
+    if len(jobs) == 1:  # the common stream: straight from its generator, without a task and queue per token
+        job = jobs[0]
+        async for chunk in state.client.generate(job.prompt_ids, job.params, job.ticket, job.bootstrap):
+            yield job, chunk
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(job: Job) -> None:

@@ -4,11 +4,15 @@ flat function tools the chat tools, ``text.format`` the response format), runs a
 result is written back as output items: a message with its text, one item per function call, the
 reasoning when a reasoning parser split it off. Streamed, the same as typed events. Stored
 responses (``store``, on by default) are kept, the newest ``STORED`` of them, for
-``GET /v1/responses/{id}`` and ``previous_response_id``.
+``GET /v1/responses/{id}`` and ``previous_response_id``, in a ``ResponseStore`` that all API
+workers of a server share.
 """
 
 from __future__ import annotations
 
+import json
+import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +27,42 @@ if TYPE_CHECKING:
     from moeserve.server.api import ServerState
 
 STORED = 1024  # responses kept for retrieval and previous_response_id
+
+
+class ResponseStore:
+    """Stored responses, the newest ``limit``, as JSON in SQLite: in memory for one API process,
+    or in a file (``path``) that every API worker of a server opens, so a response stored by one
+    worker is found by the next request, whichever worker takes it. Each row is small and written
+    once: a write or a read is well under a millisecond."""
+
+    def __init__(self, path: str = ":memory:", limit: int = STORED) -> None:
+        self.limit = limit
+        self._db = sqlite3.connect(path, timeout=10, isolation_level=None, check_same_thread=False)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL" if path != ":memory:" else "PRAGMA journal_mode=MEMORY")
+            self._db.execute("CREATE TABLE IF NOT EXISTS responses "
+                             "(n INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, body TEXT)")
+
+    def get(self, response_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT body FROM responses WHERE id = ?", (response_id,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def put(self, response_id: str, value: dict[str, Any]) -> None:
+        """Store ``value``; the oldest rows past ``limit`` go."""
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO responses (id, body) VALUES (?, ?)",
+                             (response_id, json.dumps(value)))
+            self._db.execute("DELETE FROM responses WHERE n <= (SELECT MAX(n) FROM responses) - ?", (self.limit,))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
 
 
 class ResponsesRequest(BaseModel):
@@ -151,10 +191,7 @@ def _finish(state: ServerState, body: ResponsesRequest, chat: ChatCompletionRequ
         said: dict[str, Any] = {"role": "assistant", "content": _content(result)}
         if result.tools is not None and result.tools.calls:
             said["tool_calls"] = result.tools.calls
-        stored = state.responses
-        stored[response["id"]] = {"response": response, "conversation": [*chat_messages(chat), said]}
-        while len(stored) > STORED:
-            stored.popitem(last=False)
+        state.responses.put(response["id"], {"response": response, "conversation": [*chat_messages(chat), said]})
     return response
 
 

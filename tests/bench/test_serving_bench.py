@@ -26,6 +26,7 @@ from moeserve.bench.serving import (
     percentile,
     run_serving_benchmark,
     sample_random_requests,
+    sample_requests,
     sample_shared_prefix_requests,
 )
 
@@ -184,6 +185,21 @@ def test_finite_rate_with_max_concurrency(server: tuple[FakeServer, str], fake: 
     out = capsys.readouterr().out
     assert "Serving Benchmark Result" in out
     assert [line.split()[-1] for line in out.splitlines() if line.startswith("Cache")] == ["-", "-"]
+
+
+def test_client_processes_split_the_run(server: tuple[FakeServer, str], fake: FakeServer, tmp_path: Path) -> None:
+    """``--client-processes 2``: every request sent once, from two processes sharing the concurrency
+    limit, timed from one epoch, the records in request order as with one process."""
+    out_json = tmp_path / "bench.json"
+    summary = run_serving_benchmark(_args(server[1], "--max-concurrency", "4", "--client-processes", "2",
+                                          "--output-json", str(out_json)))
+    report = json.loads(out_json.read_text())
+    _check_run(summary, report, fake)
+    assert fake.max_in_flight <= 4
+    assert all(0 <= r["start_s"] < summary["duration_s"] for r in report["requests"])
+    sent = sample_requests(ServingBenchConfig.from_args(_args(server[1], "--max-concurrency", "4")), VOCAB_SIZE,
+                           random.Random(1))
+    assert [r["prompt_len"] for r in report["requests"]] == [len(req.prompt) for req in sent]
 
 
 def test_infinite_rate_without_model_info(server: tuple[FakeServer, str], fake: FakeServer, tmp_path: Path,

@@ -4,6 +4,8 @@ the cache."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -33,9 +35,15 @@ def reference(layout_model):
         return _run(llm)
 
 
-@pytest.mark.parametrize("name", ["tp2-dp2-auto", "tp4-dp2-normal-dense2-dplmhead"])
-def test_dp_attention_with_the_prefix_cache_matches_single_process(layout_model, reference, name):
-    with LLM(layout_model, **ENGINE, **LAYOUTS[name]) as llm:
+@pytest.mark.parametrize("name, skip_warmup", [("tp2-dp2-auto", False), ("tp4-dp2-normal-dense2-dplmhead", True)])
+def test_dp_attention_with_the_prefix_cache_matches_single_process(layout_model, reference, capfd, name,
+                                                                   skip_warmup):
+    """Every rank warms its kernels up before it is ready (not with ``--skip-server-warmup``); the
+    warm-up leaves the trees empty and the tokens as they were."""
+    with LLM(layout_model, **ENGINE, **LAYOUTS[name], skip_server_warmup=skip_warmup) as llm:
         tokens, cached = _run(llm)
+        world = llm.config.parallel.world_size
     assert tokens == reference[0] and reference[1] == [0] * 6
     assert cached == [0, 0] + [40] * 4  # the first wave filled both DP groups' trees: whole pages of 4
+    warmups = re.findall(r"start-up: weights .* s, graphs .* s, warm-up (\w+)", capfd.readouterr().err)
+    assert len(warmups) == world and all((w == "skipped") == skip_warmup for w in warmups), warmups

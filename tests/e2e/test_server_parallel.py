@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 
 import openai
 import pytest
@@ -45,15 +50,60 @@ def _answers(base_url: str) -> list[str]:
 COMMON = ["--served-model-name", "m", "--max-total-tokens", "2048", "--page-size", "4", "--chunked-prefill-size", "8"]
 
 
-def test_dp_attention_ep_server_matches_single_rank(model_path, expected, tmp_path):
+def test_api_workers_carry_dp_attention_streams_step_by_step(model_path, expected, tmp_path):
+    """DP attention + EP behind two API workers on one port: the same answers as one rank, every
+    socket on loopback; every
+    stream gets its tokens one step at a time (one token a chunk, the chunks apart, not clumped);
+    controls and stored responses work whichever worker a request lands on; a worker that dies
+    takes the server down cleanly."""
     srv = start_server(["--model-path", model_path, *COMMON, "--tp-size", "2", "--dp-size", "2",
                         "--enable-dp-attention", "--moe-a2a-backend", "torch", "--load-balance-method",
-                        "shortest_queue"], str(tmp_path / "log"))
+                        "shortest_queue", "--api-workers", "2"],
+                       str(tmp_path / "log"))
+    tree = descendants(srv.proc.pid)
     try:
+        workers = [pid for pid in tree if _comm(pid).startswith("moeserve-api")]
+        assert len(workers) == 2 and len(rank_pids(srv.proc.pid)) == 2
         assert _answers(srv.base_url) == expected
         _assert_loopback_only(srv.proc.pid, http_port=srv.port)
+        with ThreadPoolExecutor(6) as pool:
+            streams = list(pool.map(lambda i: _stream_arrivals(srv.base_url, PROMPTS[i % len(PROMPTS)]), range(6)))
+        for sizes, gaps in streams:
+            assert sizes == [1] * 12  # one token a chunk, every token
+            assert sum(gap > 0.001 for gap in gaps) >= len(gaps) // 2, gaps  # step by step, not in clumps
+        for _ in range(4):  # a new connection each: the kernel spreads them over the workers
+            assert httpx.post(f"{srv.base_url}/flush_cache", timeout=30).status_code == 200
+        os.kill(max(workers), signal.SIGKILL)
+        assert srv.proc.wait(30) == 1, srv.log()
+        assert wait_for(lambda: not any(alive(pid) for pid in tree), timeout=30)
     finally:
-        assert srv.stop() == 0, srv.log()
+        srv.stop()
+        for pid in tree:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _stream_arrivals(base_url: str, prompt: str) -> tuple[list[int], list[float]]:
+    """A streamed completion of 12 tokens: the token count of each content chunk, and the gaps
+    between the chunks' arrivals."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+    sizes, times = [], []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["token_ids"]:
+                    sizes.append(len(chunk["choices"][0]["token_ids"]))
+                    times.append(time.monotonic())
+    return sizes, [b - a for a, b in zip(times, times[1:])]
 
 
 def _assert_loopback_only(pid: int, http_port: int | None = None) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeserve.cache import MLAKVPool
+from moeserve.cache import KVLayout, MLAKVPool
 from moeserve.config import ModelConfig
 from moeserve.core import ForwardBatch, ForwardMode, default_dtype
 from moeserve.eplb.placement import ExpertPlacement
@@ -193,7 +193,7 @@ def prefill_batch(cfg: ModelConfig, ids: list[int]) -> ForwardBatch:
     """One sequence prefilled from position 0 into cache slots 1.. (slot 0 is the padding slot)."""
     n = len(ids)
     slots = torch.arange(1, n + 1)
-    pool = MLAKVPool(cfg.num_layers + 1, n + 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.float32, "cpu")
+    pool = MLAKVPool(KVLayout.for_model(cfg, "auto", torch.float32), cfg.num_layers + 1, n + 1, "cpu")
     return ForwardBatch(mode=ForwardMode.EXTEND, input_ids=torch.tensor(ids), positions=torch.arange(n),
                         out_cache_loc=slots, prefix_lens=torch.tensor([0]), extend_lens=torch.tensor([n]),
                         kv_indptr=torch.tensor([0, n]), kv_indices=slots, prefix_lens_cpu=[0],

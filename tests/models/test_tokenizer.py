@@ -104,3 +104,20 @@ def test_special_tokens_kept_when_asked(tok: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
     text = "".join(detok.step([i]) for i in output) + detok.flush()
     assert text == tok.decode(output, skip_special_tokens=False) == "hi<｜end▁of▁sentence｜>"
+
+
+def test_decode_through_the_rust_tokenizer_matches_transformers():
+    """``Tokenizer.decode`` skips transformers' Python wrapper (the stream's per-token cost) only
+    where the text is the same: random ids, special tokens skipped and kept."""
+    import random
+
+    from moeserve.models.tiny_chat import embedded_model_path
+    from moeserve.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(embedded_model_path())
+    assert tokenizer._fast_decode is not None
+    rng, vocab = random.Random(0), len(tokenizer.hf)
+    for _ in range(300):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(ids, skip_special_tokens=skip)

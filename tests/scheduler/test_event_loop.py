@@ -28,7 +28,7 @@ def _worker(rank: int, store: str, model_path: str, results: mp.Queue) -> None:
         if loop.is_leader:
             loop._receive = _script(outputs)
 
-            def send(msg: object, wait: bool = True) -> bool:
+            def send(msg: object, wait: bool = True, worker: int = 0) -> bool:
                 outputs.extend(msg.outputs if isinstance(msg, TokenBatch) else [])
                 return True
 

@@ -137,3 +137,44 @@ def test_a_stream_whose_client_left_before_the_first_byte_gives_its_places_back(
     with pytest.raises(Exception):
         asyncio.run(response(scope, receive, gone))
     assert not started and state.client.queued == 0
+
+
+def test_a_starting_server_answers_503_until_the_engine_is_ready(make_state):
+    """The port answers from the start; ``/health`` and requests say 503 (with Retry-After) until
+    the launch clears ``starting`` (the ranks loaded, captured and warmed)."""
+    state = make_state(tokenizer=_SlowTokenizer())
+    state.starting = True
+
+    async def scenario() -> list[httpx.Response]:
+        async with _client(state) as http:
+            return [await http.get("/health"), await http.get("/health_generate"),
+                    await http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})]
+
+    health, generate, completion = asyncio.run(scenario())
+    assert health.status_code == generate.status_code == completion.status_code == 503
+    assert completion.headers["retry-after"] == "1" and "starting" in completion.json()["error"]["message"]
+    assert state.client.queued == 0
+    state.starting = False
+    assert asyncio.run(_health(state)) == 200
+
+
+async def _health(state: ServerState) -> int:
+    async with _client(state) as http:
+        return (await http.get("/health")).status_code
+
+
+def test_stored_responses_are_shared_through_their_file(tmp_path):
+    """API workers open one store: what one stores the others read; only the newest ``limit`` stay."""
+    from moeserve.server.responses import ResponseStore
+
+    path = str(tmp_path / "responses.sqlite")
+    one, two = ResponseStore(path, limit=3), ResponseStore(path, limit=3)
+    try:
+        for i in range(5):
+            one.put(f"resp_{i}", {"response": {"id": f"resp_{i}"}, "conversation": [{"role": "user", "content": "é"}]})
+        assert two.get("resp_4") == {"response": {"id": "resp_4"}, "conversation": [{"role": "user", "content": "é"}]}
+        assert [two.get(f"resp_{i}") is not None for i in range(5)] == [False, False, True, True, True]
+        assert len(two) == 3 and two.get("nope") is None
+    finally:
+        one.close()
+        two.close()

@@ -149,9 +149,15 @@ def test_an_sglang_deepseek_launch_line_parses_and_means_what_it_says(tmp_path, 
         "--reasoning-parser", "deepseek-r1", "--grammar-backend", "llguidance", "--kv-cache-dtype", "auto"])
     engine = build_engine_config(path, **engine_settings(args))
     assert engine.cache.kv_cache_dtype == "auto"
-    fp8 = build_parser().parse_args(["serve", "--model-path", path, "--kv-cache-dtype", "fp8_e4m3"])
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e4m3' is not supported.*FP8 latent cache"):
-        build_engine_config(path, **engine_settings(fp8))
+
+    def kv(dtype: str) -> dict:
+        return engine_settings(build_parser().parse_args(["serve", "--model-path", path, "--kv-cache-dtype", dtype]))
+
+    assert build_engine_config(path, **kv("fp8_e4m3")).cache.kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' is not supported.*use fp8_e4m3"):
+        build_engine_config(path, **kv("fp8_e5m2"))
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int3' is not supported"):
+        build_engine_config(path, **kv("int3"))
     assert engine.spec.enabled and engine.spec.num_drafts == 2 and engine.scheduler.grammar_backend == "llguidance"
     server = ServerConfig(**{n: getattr(args, n) for n, *_ in config_flags((ServerConfig,))})
     assert (server.tool_call_parser, server.reasoning_parser) == ("deepseekv3", "deepseek-r1")

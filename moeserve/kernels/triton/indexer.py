@@ -3,8 +3,10 @@ the top-k of each query row (``moeserve.kernels.indexer.select_topk`` is the con
 
 One program scores ``BLOCKS`` blocks of ``BLOCK_S`` context positions of one query row: it loads
 the row's index queries ``[H, D]`` once, gathers each block's keys through ``kv_indices``, takes
-``ReLU(q · k)`` for every head with one ``tl.dot`` and sums the heads with their fp32 weights. A
-position after the row's own is scored ``-inf``. The scores of a group of rows (at most
+``ReLU(q · k)`` for every head with one ``tl.dot`` and sums the heads with their fp32 weights. FP8
+keys are converted to the query's dtype for the dot and their sum is multiplied by the key's
+scale after it (positive, so it factors out of the ReLU). A position after the row's own is
+scored ``-inf``. The scores of a group of rows (at most
 ``SCORE_BUDGET`` of them exist at once) then go through ``torch.topk``, sorted, so a row's kept
 slots come first and the ``-1`` of a short context last. Nothing is read back to the host: the
 widest context is the caller's, from its host-side lengths.
@@ -21,10 +23,10 @@ SCORE_BUDGET = 1 << 27  # fp32 scores held at once (512 MiB): a 128K prompt neve
 
 @triton.jit
 def _index_scores_kernel(
-    q, weights, keys, kv_indptr, kv_indices, seq_of_row, pos_of_row, out,
-    row0, n_heads, width, stride_qt, stride_qh, stride_wt, stride_k, stride_ot,
+    q, weights, keys, key_scales, kv_indptr, kv_indices, seq_of_row, pos_of_row, out,
+    row0, n_heads, width, stride_qt, stride_qh, stride_wt, stride_k, stride_ks, stride_ot,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_SCALES: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     row = row0 + t
@@ -47,13 +49,16 @@ def _index_scores_kernel(
             k = tl.load(keys + slots[:, None] * stride_k + dims[None, :], mask=seen[:, None] & dim_ok[None, :],
                         other=0.0)  # [BLOCK_S, D]
             dots = tl.dot(q_h, tl.trans(k.to(q_h.dtype)), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_S]
-            score = tl.where(seen, tl.sum(tl.maximum(dots, 0.0) * w_h[:, None], 0), score)
+            summed = tl.sum(tl.maximum(dots, 0.0) * w_h[:, None], 0)  # [BLOCK_S]
+            if HAS_SCALES:  # FP8 keys: each key's scale, factored out of its dots
+                summed *= tl.load(key_scales + slots * stride_ks, mask=seen, other=0.0)
+            score = tl.where(seen, summed, score)
         tl.store(out + t.to(tl.int64) * stride_ot + pos, score, mask=pos < width)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, kv_indptr: torch.Tensor,
                  kv_indices: torch.Tensor, seq_of_row: torch.Tensor, pos_of_row: torch.Tensor, width: int,
-                 rows: slice | None = None) -> torch.Tensor:
+                 rows: slice | None = None, index_scales: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``[rows, width]`` index scores of the query rows ``rows`` (default all) over their
     contexts, ``-inf`` past each row's position; arguments as for ``select_topk``."""
     rows = rows or slice(0, q.shape[0])
@@ -65,28 +70,34 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     grid = (n_rows, triton.cdiv(width, block_s * blocks))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _index_scores_kernel[grid](
-        q, weights, index_cache, kv_indptr, kv_indices, seq_of_row, pos_of_row, out,
-        rows.start, n_heads, width, q.stride(0), q.stride(1), weights.stride(0), index_cache.stride(0), out.stride(0),
+        q, weights, index_cache, index_cache if index_scales is None else index_scales, kv_indptr, kv_indices,
+        seq_of_row, pos_of_row, out,
+        rows.start, n_heads, width, q.stride(0), q.stride(1), weights.stride(0), index_cache.stride(0),
+        0 if index_scales is None else index_scales.stride(0), out.stride(0),
         D=dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_S=block_s, BLOCKS=blocks, DOT_PRECISION=precision, num_warps=4,
+        BLOCK_S=block_s, BLOCKS=blocks, DOT_PRECISION=precision, HAS_SCALES=index_scales is not None, num_warps=4,
     )
     return out
 
 
 def select_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, kv_indptr: torch.Tensor,
                 kv_indices: torch.Tensor, seq_of_row: torch.Tensor, pos_of_row: torch.Tensor, topk: int,
-                width: int) -> torch.Tensor:
+                width: int, index_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``moeserve.kernels.indexer.select_topk`` on the GPU: the scores of as many rows at a time as
     ``SCORE_BUDGET`` allows, then their sorted top-k."""
     if q.stride(-1) != 1 or index_cache.stride(-1) != 1:
         raise ValueError("q and index_cache need a contiguous last dim")
+    if (index_scales is None) != (index_cache.dtype != torch.float8_e4m3fn):
+        raise ValueError(f"a float8_e4m3fn index_cache comes with index_scales, another without; got "
+                         f"{index_cache.dtype} and {'no ' if index_scales is None else ''}scales")
     n_rows = q.shape[0]
     out = torch.full((n_rows, topk), -1, dtype=torch.int64, device=q.device)
     width = max(width, topk)  # a row of a short context gets -inf past it, so -1 here
     step = max(1, SCORE_BUDGET // width)
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
-        scores = index_scores(q, weights, index_cache, kv_indptr, kv_indices, seq_of_row, pos_of_row, width, rows)
+        scores = index_scores(q, weights, index_cache, kv_indptr, kv_indices, seq_of_row, pos_of_row, width, rows,
+                              index_scales)
         best, pos = scores.topk(topk, dim=-1, sorted=True)
         kept = best > float("-inf")
         slots = kv_indices[kv_indptr[seq_of_row[rows]].unsqueeze(1) + pos.masked_fill(~kept, 0)]

@@ -10,6 +10,12 @@ and can be captured in a CUDA graph. When the caller gives the cache's page size
 tokens within one page are read whole by the copy engine (TMA) instead of row by row, and on
 Hopper 64-head blocks go to the warp-specialised Gluon kernel in ``mla_hopper``.
 
+An FP8 cache (float8_e4m3fn values with float32 scales, ``kernels/mla.py``) is read by the row
+gather kernel, which dequantizes each block in registers: the latent's tiles of 128 columns
+times their scales, the rope key times its own, in the query's dtype, before the same dots. Its
+rows (596 bytes for DeepSeek-V3) are not the 16-byte multiples the copy engine reads, so the page
+block kernel and the Gluon kernel of ``mla_hopper`` take the model dtype's cache only.
+
 Verification (``mla_verify``) runs the same kernels with ``Q_PER_SEQ`` query rows per sequence:
 program row ``r`` is query ``r % Q`` of sequence ``r // Q``, which reads the sequence's slots
 from ``kv_indptr`` as decode does, less the ``Q - 1 - r % Q`` tokens after it (causal). No
@@ -47,6 +53,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_GRID_YZ = 65535
 _RESCALE_LOG2 = tl.constexpr(8.0)  # lazy rescale: tolerated growth of the running max, log2
+_SCALE_TILE = 128  # columns of an FP8 cache's latent under one scale (kernels.fp8.FP8_BLOCK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,19 +131,37 @@ def _store_split(acc, l_i, m_i, out_ptrs, lse_ptrs, head_ok, col_ok,
 
 
 @triton.jit
+def _dequantize_block(latent, rope, kv_scales, slots, tok_ok, stride_ks, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_L: tl.constexpr, SCALE_TILES: tl.constexpr, SCALE_W: tl.constexpr):
+    """FP8 rows ``latent [BLOCK_N, BLOCK_L]`` and ``rope [BLOCK_N, BLOCK_R]`` in ``dtype``: each
+    ``SCALE_W`` columns of the latent (128, or the whole of a narrower one) times their tile's
+    scale, the rope key times the token's, from ``kv_scales [slots, SCALE_TILES + 1]``."""
+    scale_rows = kv_scales + slots * stride_ks  # [BLOCK_N]
+    tiles = tl.arange(0, BLOCK_L // SCALE_W)
+    tile_scale = tl.load(scale_rows[:, None] + tiles[None, :], mask=tok_ok[:, None] & (tiles < SCALE_TILES)[None, :],
+                         other=0.0)  # [BLOCK_N, tiles]
+    tiled = tl.reshape(latent.to(tl.float32), (BLOCK_N, BLOCK_L // SCALE_W, SCALE_W)) * tile_scale[:, :, None]
+    rope_scale = tl.load(scale_rows + SCALE_TILES, mask=tok_ok, other=0.0)  # [BLOCK_N]
+    return (tl.reshape(tiled, (BLOCK_N, BLOCK_L)).to(dtype),
+            (rope.to(tl.float32) * rope_scale[:, None]).to(dtype))
+
+
+@triton.jit
 def _mla_decode_split_kernel(
-    q_latent, q_rope, kv_cache, kv_indptr, kv_indices, kv_lens, out, lse,
+    q_latent, q_rope, kv_cache, kv_scales, kv_indptr, kv_indices, kv_lens, out, lse,
     num_heads, num_splits, qk_scale,
-    stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_kv,
+    stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_kv, stride_ks,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, WS: tl.constexpr,
-    Q_PER_SEQ: tl.constexpr = 1, HAS_LENS: tl.constexpr = False,
+    Q_PER_SEQ: tl.constexpr = 1, HAS_LENS: tl.constexpr = False, SCALE_TILES: tl.constexpr = 0,
+    SCALE_W: tl.constexpr = 1,
 ):
     """One (head block, query row, split): softmax-weighted latent over the split's tokens, each
     cache row gathered through ``kv_indices``. A row is a sequence, or with ``Q_PER_SEQ > 1`` one
-    of its queries; ``kv_lens`` (with ``HAS_LENS``) as in ``_split_bounds``.
+    of its queries; ``kv_lens`` (with ``HAS_LENS``) as in ``_split_bounds``. ``SCALE_TILES > 0``:
+    the cache is FP8 with ``kv_scales`` (``_dequantize_block``); 0: the query's dtype, no scales.
 
     ``out`` is ``[rows, H, splits, L]`` fp32 with ``lse [rows, H, splits]`` (log2 domain), or,
     with ``SINGLE_SPLIT``, the final ``[rows, H, L]`` output (``lse`` unused).
@@ -163,6 +188,9 @@ def _mla_decode_split_kernel(
         # [BLOCK_N, L] latent rows, the keys' first part and the values both
         latent = tl.load(rows + offs_l[None, :], mask=tok_ok[:, None] & l_ok[None, :], other=0.0)
         rope = tl.load(rows + LATENT + offs_r[None, :], mask=tok_ok[:, None] & r_ok[None, :], other=0.0)
+        if SCALE_TILES > 0:
+            latent, rope = _dequantize_block(latent, rope, kv_scales, slots, tok_ok, stride_ks, q_l.dtype, BLOCK_N,
+                                             BLOCK_L, SCALE_TILES, SCALE_W)
         qk = tl.dot(q_l, tl.trans(latent), input_precision=DOT_PRECISION)
         qk = tl.dot(q_r, tl.trans(rope), qk, input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         qk = tl.where(tok_ok[None, :], qk, float("-inf"))
@@ -348,7 +376,8 @@ def _check_scale(scale: float) -> None:
 
 
 def _check_decode_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
-                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor, q_per_seq: int = 1) -> None:
+                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor, q_per_seq: int = 1,
+                         kv_scales: torch.Tensor | None = None) -> None:
     if q_latent.dim() != 3 or q_rope.dim() != 3 or q_rope.shape[:2] != q_latent.shape[:2]:
         raise ValueError(f"q_latent [B*Q, H, L] and q_rope [B*Q, H, R] expected, got {tuple(q_latent.shape)} "
                          f"and {tuple(q_rope.shape)}")
@@ -358,9 +387,12 @@ def _check_decode_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     if kv_cache.dim() != 2 or kv_cache.shape[1] != latent_dim + rope_dim or latent_dim == 0:
         raise ValueError(f"kv_cache [slots, L + R] = [slots, {latent_dim + rope_dim}] with L > 0 expected, "
                          f"got {tuple(kv_cache.shape)}")
-    if not (q_latent.dtype == q_rope.dtype == kv_cache.dtype) or q_latent.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"q_latent, q_rope, kv_cache must share one of {_FLOAT_DTYPES}, got "
-                         f"{q_latent.dtype}, {q_rope.dtype}, {kv_cache.dtype}")
+    cache_dtype = q_latent.dtype if kv_scales is None else torch.float8_e4m3fn
+    if not (q_latent.dtype == q_rope.dtype and kv_cache.dtype == cache_dtype) or q_latent.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q_latent, q_rope, kv_cache must share one of {_FLOAT_DTYPES} (kv_cache float8_e4m3fn "
+                         f"with kv_scales), got {q_latent.dtype}, {q_rope.dtype}, {kv_cache.dtype}")
+    if kv_scales is not None:
+        _check_scales(kv_scales, kv_cache, latent_dim)
     if q_latent.stride(-1) != 1 or q_rope.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("q_latent, q_rope and kv_cache need a contiguous last dim")
     if kv_indptr.shape != (q_latent.shape[0] // q_per_seq + 1,) or kv_indices.dim() != 1:
@@ -377,6 +409,15 @@ def _check_decode_inputs(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         raise ValueError(f"all inputs must be on one device, got {devices}")
 
 
+def _check_scales(kv_scales: torch.Tensor, kv_cache: torch.Tensor, latent_dim: int) -> None:
+    tiles = -(-latent_dim // _SCALE_TILE)
+    if kv_scales.dtype != torch.float32 or kv_scales.shape != (kv_cache.shape[0], tiles + 1):
+        raise ValueError(f"kv_scales [slots, ceil(L/128) + 1] = [{kv_cache.shape[0]}, {tiles + 1}] float32 expected, "
+                         f"got {tuple(kv_scales.shape)} {kv_scales.dtype}")
+    if kv_scales.stride(-1) != 1 or kv_scales.device != kv_cache.device:
+        raise ValueError("kv_scales needs a contiguous last dim, on the cache's device")
+
+
 def mla_decode(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
@@ -385,6 +426,7 @@ def mla_decode(
     kv_indices: torch.Tensor,
     scale: float,
     *,
+    kv_scales: torch.Tensor | None = None,
     page_size: int | None = None,
     config: dict | None = None,
     launch_batch: int | None = None,
@@ -399,10 +441,12 @@ def mla_decode(
     on Hopper, with pages of a multiple of 64 slots, the warp-specialised Gluon kernel of
     ``mla_hopper`` runs (heads in blocks of 64, padded; ``HOPPER_WS=False`` turns that off and
     takes the Triton kernels' defaults). ``config`` overrides ``decode_config``; ``launch_batch``
-    (default B) is the batch ``decode_config`` sizes the splits for.
+    (default B) is the batch ``decode_config`` sizes the splits for. With ``kv_scales`` the cache
+    is FP8 (float8_e4m3fn, ``[slots, ceil(L/128) + 1]`` float32 scales) and its rows are gathered
+    and dequantized by the row kernel whatever the page size.
     """
-    return mla_verify(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, 1, page_size=page_size, config=config,
-                      launch_batch=launch_batch)
+    return mla_verify(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, 1, kv_scales=kv_scales,
+                      page_size=page_size, config=config, launch_batch=launch_batch)
 
 
 def mla_verify(
@@ -414,6 +458,7 @@ def mla_verify(
     scale: float,
     q_per_seq: int,
     *,
+    kv_scales: torch.Tensor | None = None,
     page_size: int | None = None,
     config: dict | None = None,
     launch_batch: int | None = None,
@@ -421,47 +466,48 @@ def mla_verify(
     """Absorbed MLA with ``Q = q_per_seq`` causal queries per sequence, each sequence's last
     tokens; the contract of ``moeserve.kernels.mla.mla_verify``, ``mla_decode`` at ``Q = 1``.
 
-    ``q_latent [B*Q, H, L]``, ``q_rope [B*Q, H, R]``, ``kv_indptr [B + 1]``; the rest, ``page_size``
-    and ``config`` as for ``mla_decode``. Each query row is a row of the decode grid. The Gluon
+    ``q_latent [B*Q, H, L]``, ``q_rope [B*Q, H, R]``, ``kv_indptr [B + 1]``; the rest, ``kv_scales``,
+    ``page_size`` and ``config`` as for ``mla_decode``. Each query row is a row of the decode grid. The Gluon
     kernel takes ``Q = 1`` only; with more queries the Triton kernels run. ``launch_batch``
     (default B) counts sequences, as for ``mla_decode``: ``decode_config`` sizes the splits for
     ``launch_batch * Q`` rows, the programs such a launch has, so whole sequences of a verify
     batch (with their batch's size) get bitwise the whole's rows, and ``Q = 1`` launches as
     decode does.
     """
-    _check_decode_inputs(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, q_per_seq)
+    _check_decode_inputs(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, q_per_seq, kv_scales)
     _check_scale(scale)
     if page_size is not None and page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     rows, num_heads, latent_dim = q_latent.shape
     row_bytes = kv_cache.shape[1] * kv_cache.element_size()
-    wants_hopper = (config or {}).get("HOPPER_WS", True)
+    wants_hopper = (config or {}).get("HOPPER_WS", True) and kv_scales is None
     hopper_kernel = wants_hopper and mla_hopper.decode_supported(q_latent, kv_cache, page_size, q_per_seq=q_per_seq)
     launch_rows = (launch_batch or rows // q_per_seq) * q_per_seq
     default = decode_config(launch_rows, num_heads, row_bytes, q_latent.device, page_size, hopper_kernel)
     cfg = _merge_config(default, config, DECODE_CONFIG_KEYS)
-    stage_1 = _stage_1(q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, q_per_seq, page_size, cfg,
-                       hopper_kernel)
+    stage_1 = _stage_1(q_latent, q_rope, kv_cache, kv_scales, kv_indptr, kv_indices, scale, q_per_seq, page_size,
+                       cfg, hopper_kernel)
     return _split_and_merge(q_latent, cfg["num_kv_splits"], stage_1)
 
 
 def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, selected: torch.Tensor,
-               scale: float, *, launch_rows: int | None = None, config: dict | None = None) -> torch.Tensor:
+               scale: float, *, kv_scales: torch.Tensor | None = None, launch_rows: int | None = None,
+               config: dict | None = None) -> torch.Tensor:
     """``moeserve.kernels.mla.sparse_mla`` on the GPU: each query row is a sequence of its own
     whose slots are its row of ``selected [T, K]`` (the kept ones first, then ``-1``), read up to
     its count of kept ones; no host sync. ``launch_rows`` (default T) sizes the splits as
-    ``launch_batch`` does for ``mla_decode``."""
+    ``launch_batch`` does for ``mla_decode``; ``kv_scales`` as there."""
     rows, top = selected.shape
     indptr = torch.arange(0, (rows + 1) * top, top, dtype=torch.int64, device=selected.device)
     indices = selected.contiguous().view(-1)
-    _check_decode_inputs(q_latent, q_rope, kv_cache, indptr, indices)
+    _check_decode_inputs(q_latent, q_rope, kv_cache, indptr, indices, kv_scales=kv_scales)
     _check_scale(scale)
     row_bytes = kv_cache.shape[1] * kv_cache.element_size()
     default = decode_config(launch_rows or rows, q_latent.shape[1], row_bytes, q_latent.device)
     cfg = _merge_config(default, config, DECODE_CONFIG_KEYS)
     lens = (selected >= 0).sum(dim=1, dtype=torch.int32)
     stage_1 = functools.partial(_decode_splits, q_latent, q_rope, kv_cache, indptr, indices, scale, cfg, None, 1,
-                                kv_lens=lens)
+                                kv_lens=lens, kv_scales=kv_scales)
     return _split_and_merge(q_latent, cfg["num_kv_splits"], stage_1)
 
 
@@ -485,24 +531,25 @@ def _split_and_merge(q_latent: torch.Tensor, splits: int, stage_1: functools.par
     return out
 
 
-def _stage_1(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
-             kv_indices: torch.Tensor, scale: float, q_per_seq: int, page_size: int | None, cfg: dict,
-             hopper_kernel: bool) -> functools.partial:
+def _stage_1(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+             kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float, q_per_seq: int, page_size: int | None,
+             cfg: dict, hopper_kernel: bool) -> functools.partial:
     """The split kernel for these inputs and config, waiting for ``(out, out_strides, lse, lse_strides)``:
     the Gluon kernel where it applies and the config has its tiles, else the Triton one."""
     hopper_tiles = (cfg["BLOCK_H"], cfg["BLOCK_N"]) == (mla_hopper.BLOCK_H.value, mla_hopper.BLOCK_N.value)
     if hopper_kernel and cfg["PAGED"] and hopper_tiles:
         return functools.partial(mla_hopper.decode_splits, q_latent, q_rope, kv_cache, kv_indptr, kv_indices,
                                  scale * LOG2E, cfg["num_kv_splits"])
+    descriptors = None if kv_scales is not None else _page_descriptors(kv_cache, q_latent.shape[-1], page_size, cfg)
     return functools.partial(_decode_splits, q_latent, q_rope, kv_cache, kv_indptr, kv_indices, scale, cfg,
-                             _page_descriptors(kv_cache, q_latent.shape[-1], page_size, cfg), q_per_seq)
+                             descriptors, q_per_seq, kv_scales=kv_scales)
 
 
 def _page_descriptors(kv_cache: torch.Tensor, latent_dim: int, page_size: int | None, cfg: dict) -> tuple | None:
     """Copy-engine descriptors of the cache (latent half tiles, rope tiles, ``BLOCK_N`` rows
     each), or None where blocks must be gathered row by row: no page size, pages not a multiple
     of ``BLOCK_N``, head dims the halves cannot take, rows not 16-byte aligned, a GPU before
-    Hopper (the interpreter takes them)."""
+    Hopper (the interpreter takes them). An FP8 cache never gets here: its rows are gathered."""
     if page_size is None or not cfg["PAGED"] or page_size % cfg["BLOCK_N"]:
         return None
     half, rope_dim = latent_dim // 2, kv_cache.shape[1] - latent_dim
@@ -523,10 +570,11 @@ def _page_descriptors(kv_cache: torch.Tensor, latent_dim: int, page_size: int | 
 def _decode_splits(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
                    kv_indices: torch.Tensor, scale: float, cfg: dict, descriptors: tuple | None, q_per_seq: int,
                    out: torch.Tensor, out_strides: tuple, lse: torch.Tensor, lse_strides: tuple,
-                   kv_lens: torch.Tensor | None = None) -> None:
+                   kv_lens: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None) -> None:
     """Stage 1 into ``out`` (``[rows, H, splits, L]`` by ``out_strides``) and ``lse``
     (``[rows, H, splits]``), ``q_per_seq`` query rows a sequence, through the copy engine when
-    ``descriptors`` are given, by row gathers otherwise (``kv_lens``: row gathers only)."""
+    ``descriptors`` are given, by row gathers otherwise (``kv_lens`` and an FP8 cache's
+    ``kv_scales``: row gathers only)."""
     rows, num_heads, latent_dim = q_latent.shape
     rope_dim = q_rope.shape[-1]
     splits = cfg["num_kv_splits"]
@@ -543,11 +591,17 @@ def _decode_splits(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch
             HALF=latent_dim // 2, ROPE=rope_dim, **common,
         )
         return
+    block_l = _dot_block(latent_dim)
+    fp8 = {}  # the model dtype's cache: SCALE_TILES 0, kv_scales never read
+    if kv_scales is not None:
+        fp8 = {"SCALE_TILES": kv_scales.shape[1] - 1, "SCALE_W": min(_SCALE_TILE, block_l)}
     _mla_decode_split_kernel[grid](
-        q_latent, q_rope, kv_cache, kv_indptr, kv_indices, kv_lens if kv_lens is not None else kv_indptr, out, lse,
-        num_heads, splits, scale * LOG2E, *q_strides, kv_cache.stride(0), *out_strides, *lse_strides,
-        LATENT=latent_dim, ROPE=rope_dim, BLOCK_L=_dot_block(latent_dim), BLOCK_R=_dot_block(rope_dim),
-        WS=bool(cfg["WS"]), HAS_LENS=kv_lens is not None, **common,
+        q_latent, q_rope, kv_cache, kv_cache if kv_scales is None else kv_scales, kv_indptr, kv_indices,
+        kv_indptr if kv_lens is None else kv_lens, out, lse,
+        num_heads, splits, scale * LOG2E, *q_strides, kv_cache.stride(0),
+        0 if kv_scales is None else kv_scales.stride(0), *out_strides, *lse_strides,
+        LATENT=latent_dim, ROPE=rope_dim, BLOCK_L=block_l, BLOCK_R=_dot_block(rope_dim),
+        WS=bool(cfg["WS"]), HAS_LENS=kv_lens is not None, **fp8, **common,
     )
 
 

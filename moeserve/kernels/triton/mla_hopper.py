@@ -263,7 +263,8 @@ def decode_supported(q_latent: torch.Tensor, kv_cache: torch.Tensor, page_size: 
     """Whether ``decode_splits`` can take these inputs with these tiles (default: its own): one
     query per sequence (``q_per_seq``; verification with more runs the Triton kernels), a Hopper
     GPU, 16-bit DeepSeek dims, 64-head blocks over 64-row page blocks, pages of a multiple of 64
-    slots, rows the copy engine can address."""
+    slots, rows the copy engine can address. A cache in the query's dtype only: an FP8 cache's rows
+    (596 bytes, not 16-byte multiples) go to the Triton row gather, which dequantizes them."""
     if q_per_seq != 1 or block_h != BLOCK_H.value or block_n != BLOCK_N.value:
         return False
     if page_size is None or page_size % block_n or kv_cache.device.type != "cuda":
