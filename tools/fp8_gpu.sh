@@ -17,15 +17,11 @@ set -uo pipefail
 OUT="${OUT:-$PWD/tmp/fp8_gpu}"
 CONTEXTS="${CONTEXTS:-2048 8192}"
 BATCH="${BATCH:-256}"
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/fp8_gpu.log") 2>&1
 M="python3 -m moeserve.server.cli"
 status=0
 # shellcheck source=tools/step.sh
 source "$(dirname "$0")/step.sh"
-if [ -d tmp/wheels ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site tmp/wheels/*.whl || status=1
-fi
+gpu_setup fp8_gpu.log
 echo "=== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 for s in ${*:-${STEPS:-tests decode summary}}; do
     case $s in

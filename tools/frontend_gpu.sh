@@ -19,15 +19,12 @@ OUT="${OUT:-$PWD/tmp/frontend_gpu}"
 WORKERS="${WORKERS:-6}"
 CLIENTS="${CLIENTS:-6}"
 OUTPUT_LEN="${OUTPUT_LEN:-512}"
-mkdir -p "$OUT/logs"
-exec > >(tee -a "$OUT/frontend_gpu.log") 2>&1
 M="python3 -m moeserve.server.cli"
 status=0
 # shellcheck source=tools/step.sh
 source "$(dirname "$0")/step.sh"
-if [ -d tmp/wheels ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site tmp/wheels/*.whl || status=1
-fi
+gpu_setup frontend_gpu.log
+mkdir -p "$OUT/logs"
 python3 tools/dsv3_config.py /tmp/dsv3-4l --layers 4
 python3 tools/dsv3_config.py /tmp/dsv3-2l --layers 2
 echo "=== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1) $(git rev-parse --short HEAD 2>/dev/null) $(nproc) CPUs"

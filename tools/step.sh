@@ -12,3 +12,13 @@ step() {
     [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
     return 0
 }
+
+# gpu_setup LOG: everything printed from here on also goes to $OUT/LOG; the carried cp312 wheels of
+# the HTTP stack (tmp/wheels, which the GPU image lacks) are installed into /tmp/site (on PYTHONPATH).
+gpu_setup() {
+    mkdir -p "$OUT"
+    exec > >(tee -a "$OUT/$1") 2>&1
+    if [ -d tmp/wheels ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site tmp/wheels/*.whl || status=1
+    fi
+}

@@ -23,15 +23,11 @@ OUT="${OUT:-$PWD/tmp/v32_gpu}"
 REPEATS="${REPEATS:-10}"
 DECODE_SHAPES="${DECODE_SHAPES:-32x4096 256x4096 256x32768 32x131072}"
 PROMPTS="${PROMPTS:-4096 32768 131072}"
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/v32_gpu.log") 2>&1
 M="python3 -m moeserve.server.cli"
 status=0
 # shellcheck source=tools/step.sh
 source "$(dirname "$0")/step.sh"
-if [ -d tmp/wheels ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site tmp/wheels/*.whl || status=1
-fi
+gpu_setup v32_gpu.log
 echo "=== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 for s in ${*:-${STEPS:-tests decode prefill}}; do
     case $s in

@@ -19,14 +19,10 @@
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 set -uo pipefail
 OUT="${OUT:-$PWD/tmp/warm_gpu}"
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/warm_gpu.log") 2>&1
 status=0
 # shellcheck source=tools/step.sh
 source "$(dirname "$0")/step.sh"
-if [ -d tmp/wheels ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site tmp/wheels/*.whl || status=1
-fi
+gpu_setup warm_gpu.log
 MODEL=/tmp/dsv3-4l
 python3 tools/dsv3_config.py "$MODEL" --layers 4
 echo "=== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1) $(git rev-parse --short HEAD 2>/dev/null)"

@@ -65,8 +65,8 @@ def scripted_leader(addrs: RankAddresses, dp: int, step_s: float, vocab_size: in
                 return
             if isinstance(msg, GenerateInput):
                 running[msg.rid] = [msg.reply_to, msg.params.max_tokens, len(msg.prompt_ids)]
-            elif isinstance(msg, AbortInput) and running.pop(msg.rid, None) is not None:
-                pass
+            elif isinstance(msg, AbortInput):
+                running.pop(msg.rid, None)
         if not running:
             next_step = time.perf_counter()
             continue

@@ -96,8 +96,7 @@ class RankAddresses:
         if w == 0:
             return self
         output, inputs = self.more_workers[w - 1]
-        view = dataclasses.replace(self, output=output, inputs=inputs, more_workers=())
-        return view
+        return dataclasses.replace(self, output=output, inputs=inputs, more_workers=())
 
     def cleanup(self) -> None:
         remove = self.__dict__.get("_remove")
